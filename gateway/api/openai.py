@@ -1,0 +1,202 @@
+"""`/v1/chat/completions`, `/v1/completions` and `/v1/models`.
+
+The two POST endpoints are raw ASGI callables: they are the hot path, and Starlette's request
+and response wrappers would add work on every streamed chunk. Each request: read the body
+(bounded in size and time), validate what the gateway needs, route, forward, measure, log.
+Whatever goes wrong, the caller gets OpenAI's error shape, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.accesslog import log_exchange, log_rejection
+from gateway.protocol import (
+    BodyTooLarge,
+    Endpoint,
+    GatewayError,
+    RequestTimeout,
+    error_body,
+    parse_request,
+)
+from gateway.proxy import ClientGone, Exchange
+from gateway.runtime import Runtime
+
+log = logging.getLogger("gateway.api")
+
+_JSON = (b"content-type", b"application/json")
+_ID_PREFIX = os.urandom(4).hex()
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    # Unique across replicas by the random prefix; cheaper than uuid4 per request.
+    return f"gw-{_ID_PREFIX}-{next(_ids)}"
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            if 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
+                return value.decode()
+            return None
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(f"The request body is {int(value)} bytes; the limit is "
+                               f"{limit} bytes.")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+                parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {timeout:g}s.") from None
+    return b"".join(parts)
+
+
+class CompletionsEndpoint:
+    """POST /v1/chat/completions or /v1/completions."""
+
+    def __init__(self, endpoint: Endpoint, runtime: Callable[[], Runtime]) -> None:
+        self.endpoint = endpoint
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rt = self.runtime()
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        request_id = _client_request_id(scope) or new_request_id()
+        rid_header = (b"x-request-id", request_id.encode())
+        ex: Exchange | None = None
+
+        # Watch for the caller leaving while we wait on the engine; cancel the work at once.
+        task = asyncio.current_task()
+        gone = False
+
+        def on_receive(fut: asyncio.Future[Any]) -> None:
+            nonlocal gone
+            if not fut.cancelled() and fut.exception() is None \
+                    and fut.result()["type"] == "http.disconnect":
+                gone = True
+                if task is not None:
+                    task.cancel()
+
+        watcher: asyncio.Future[Any] | None = None
+        try:
+            body = await read_body(scope, receive, rt.policy.server.max_body_bytes,
+                                   rt.policy.server.body_timeout_s)
+            data, parsed = parse_request(body, self.endpoint)
+            route = rt.router.route(parsed.model)
+            upstream_name = route.model.upstream_name
+            if upstream_name != parsed.model:
+                data["model"] = upstream_name
+                body = orjson.dumps(data)
+            ex = Exchange(
+                request_id=request_id, endpoint=self.endpoint, model=route.model.name,
+                pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
+                response_headers=[rid_header, (b"x-gateway-pool", route.pool.encode())],
+            )
+            watcher = asyncio.ensure_future(receive())
+            watcher.add_done_callback(on_receive)
+            inflight = rt.metrics.pool_children(route.pool)[3]
+            inflight.inc()
+            try:
+                await rt.forwarder.forward(ex, send)
+            finally:
+                inflight.dec()
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if task is not None:
+                task.uncancel()
+        except ClientGone:
+            gone = True
+        except GatewayError as err:
+            if ex is not None and ex.backend is not None and err.status == 502:
+                err.headers.setdefault("x-gateway-backend", ex.backend.name)
+            if ex is None or not ex.response_started:
+                await _send_error(send, err, rid_header)
+            if ex is not None:
+                ex.status = err.status
+                ex.error = err.message
+            else:
+                rt.metrics.request_done("", "", err.status)
+                log_rejection(request_id, self.endpoint, err.status, err.message)
+        except Exception:
+            log.exception("unexpected error in request %s", request_id)
+            if ex is None or not ex.response_started:
+                await _send_error(send, GatewayError(
+                    f"Internal gateway error (request id {request_id})."), rid_header)
+            if ex is not None:
+                ex.status = 500
+        finally:
+            if watcher is not None:
+                watcher.remove_done_callback(on_receive)
+                watcher.cancel()
+        if ex is not None:
+            _observe(rt, ex, gone, loop.time())
+
+
+def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float) -> None:
+    if gone:
+        ex.status = 499  # nginx's "client closed request"
+    if ex.finished is None:
+        ex.finished = now
+    duration, ttft, tpot, _ = rt.metrics.pool_children(ex.pool)
+    rt.metrics.request_done(ex.pool, ex.model, ex.status)
+    duration.observe(ex.finished - ex.arrival)
+    if ex.status == 200 and ex.first_byte is not None:
+        ttft.observe(ex.first_byte - ex.arrival)
+        tokens = ex.completion_tokens
+        if tokens is None and ex.stream:
+            tokens = max(0, ex.sse_events - 2)  # minus the role frame and [DONE]
+        if ex.stream and tokens and tokens > 1:
+            tpot.observe((ex.finished - ex.first_byte) / (tokens - 1))
+    log_exchange(ex, gone)
+
+
+async def _send_error(send: Send, err: GatewayError, rid: tuple[bytes, bytes]) -> None:
+    body = err.body()
+    headers = [_JSON, rid, (b"content-length", str(len(body)).encode())]
+    headers.extend((k.encode(), v.encode()) for k, v in err.headers.items())
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def list_models(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    created = int(rt.started_at)
+    data = [{"id": m.name, "object": "model", "created": created, "owned_by": "gateway"}
+            for m in rt.policy.models]
+    return Response(orjson.dumps({"object": "list", "data": data}),
+                    media_type="application/json")
+
+
+def error_response(status: int, message: str, type_: str, code: str | None) -> Response:
+    return Response(error_body(message, type_, None, code), status_code=status,
+                    media_type="application/json")
+

@@ -1,0 +1,47 @@
+"""`/healthz` (alive), `/readyz` (can serve: every pool has a healthy backend), `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.runtime import Runtime
+
+
+async def healthz(request: Request) -> Response:
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+async def readyz(request: Request) -> Response:
+    rt: Runtime | None = getattr(request.app.state, "runtime", None)
+    if rt is None:
+        return _json({"status": "not ready", "reason": "policy not loaded"}, 503)
+    now = rt.backends.clock()
+    pools: dict[str, object] = {}
+    not_ready: list[str] = []
+    for pool, backends in rt.backends.pools.items():
+        states = {b.name: b.status(now) for b in backends}
+        healthy = [name for name, s in states.items() if s == "up"]
+        pools[pool] = {"healthy": len(healthy), "backends": states}
+        if not healthy:
+            not_ready.append(pool)
+    if not_ready:
+        return _json({"status": "not ready",
+                      "reason": f"no healthy backend in pool(s): {', '.join(not_ready)}",
+                      "pools": pools}, 503)
+    return _json({"status": "ready", "pools": pools}, 200)
+
+
+async def metrics(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    # Rendering walks every series; do it off the event loop.
+    text = await asyncio.to_thread(generate_latest, rt.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _json(data: object, status: int) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")

@@ -1,0 +1,155 @@
+"""Runtime state of each engine replica: outstanding work and health.
+
+Health is passive and active together:
+- passive: `failure_threshold` consecutive failures (connect errors, 5xx, broken streams) eject
+  a backend for `cooldown_s`; one success resets the count;
+- active: a prober GETs each backend's health path every `probe_interval_s`; a failed probe
+  marks it down until a probe succeeds.
+A backend takes traffic when its last probe succeeded and it is not ejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from gateway.metrics import GatewayMetrics
+from gateway.policy import BackendSpec, Policy, PoolSpec
+
+log = logging.getLogger("gateway.backends")
+
+Clock = Callable[[], float]
+
+
+@dataclass(eq=False)
+class Backend:
+    pool: str
+    name: str
+    url: str
+    chat_url: str
+    completions_url: str
+    probe_url: str
+    auth_header: str | None
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    probe_ok: bool = True
+    last_error: str = ""
+    _up_gauge: object = field(default=None, repr=False)
+
+    def available(self, now: float) -> bool:
+        return self.probe_ok and now >= self.ejected_until
+
+    def status(self, now: float) -> str:
+        if not self.probe_ok:
+            return f"down: health probe failed ({self.last_error})"
+        if now < self.ejected_until:
+            return (f"ejected for {self.ejected_until - now:.1f}s after "
+                    f"{self.consecutive_failures} consecutive failures ({self.last_error})")
+        return "up"
+
+
+class Backends:
+    """All backends of the policy, grouped by pool, with passive health bookkeeping."""
+
+    def __init__(self, policy: Policy, metrics: GatewayMetrics,
+                 clock: Clock = time.monotonic) -> None:
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.pools: dict[str, list[Backend]] = {
+            name: [self._make(name, pool, spec) for spec in pool.backends]
+            for name, pool in policy.pools.items()
+        }
+        for b in self.all():
+            self._publish(b)
+
+    @staticmethod
+    def _make(pool_name: str, pool: PoolSpec, spec: BackendSpec) -> Backend:
+        key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        return Backend(
+            pool=pool_name, name=spec.name, url=spec.url,
+            chat_url=spec.url + "/v1/chat/completions",
+            completions_url=spec.url + "/v1/completions",
+            probe_url=spec.url + pool.probe_path,
+            auth_header=f"Bearer {key}" if key else None,
+        )
+
+    def all(self) -> Iterable[Backend]:
+        for backends in self.pools.values():
+            yield from backends
+
+    def pick(self, pool: str, exclude: tuple[Backend, ...] = ()) -> Backend | None:
+        """The available backend with the least outstanding work at this gateway.
+
+        Least-outstanding beats round robin for LLM traffic: requests differ in length by
+        orders of magnitude, so equal counts of requests are far from equal load.
+        """
+        now = self.clock()
+        best: Backend | None = None
+        for b in self.pools[pool]:
+            if b in exclude or not b.available(now):
+                continue
+            if best is None or b.outstanding < best.outstanding:
+                best = b
+        return best
+
+    def healthy(self, pool: str) -> list[Backend]:
+        now = self.clock()
+        return [b for b in self.pools[pool] if b.available(now)]
+
+    def record_success(self, b: Backend) -> None:
+        if b.consecutive_failures:
+            b.consecutive_failures = 0
+            self._publish(b)
+
+    def record_failure(self, b: Backend, kind: str, detail: str) -> None:
+        self.metrics.upstream_errors.labels(b.pool, b.name, kind).inc()
+        b.consecutive_failures += 1
+        b.last_error = detail
+        if b.consecutive_failures >= self.policy.health.failure_threshold:
+            if b.ejected_until <= self.clock():
+                log.warning("ejecting backend %s/%s for %.0fs: %s", b.pool, b.name,
+                            self.policy.health.cooldown_s, detail)
+            b.ejected_until = self.clock() + self.policy.health.cooldown_s
+        self._publish(b)
+
+    def _publish(self, b: Backend) -> None:
+        self.metrics.backend_up.labels(b.pool, b.name).set(1 if b.available(self.clock()) else 0)
+
+    # --- active probing ---------------------------------------------------------------------
+
+    async def probe_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self._probe(session, b) for b in self.all()))
+
+    async def _probe(self, session: aiohttp.ClientSession, b: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.policy.health.probe_timeout_s)
+        try:
+            async with session.get(b.probe_url, timeout=timeout) as resp:
+                await resp.read()
+                ok, detail = resp.status == 200, f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ok, detail = False, type(exc).__name__
+        if ok != b.probe_ok:
+            log.warning("backend %s/%s is %s (%s)", b.pool, b.name, "up" if ok else "down",
+                        detail)
+        b.probe_ok = ok
+        if not ok:
+            b.last_error = f"probe {detail}"
+        # An ejected backend stays out for its cooldown even if /health answers: engines
+        # often pass their health check while failing requests.
+        self._publish(b)
+
+    async def run_prober(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(self.policy.health.probe_interval_s)
+            try:
+                await self.probe_all(session)
+            except Exception:  # never let the prober die; the next round tries again
+                log.exception("health probe round failed")

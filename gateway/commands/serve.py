@@ -1,0 +1,43 @@
+"""`gateway serve --policy FILE`: run the gateway under uvicorn (uvloop + httptools)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gateway.policy import PolicyError, load_policy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", required=True, metavar="FILE", help="policy YAML")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--redis-url", default=None,
+                        help="share state between replicas through this Redis")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+    serve(policy, args.host, args.port, args.log_level)
+    return 0
+
+
+def serve(policy: object, host: str, port: int, log_level: str = "info") -> None:
+    import uvicorn
+
+    from gateway.accesslog import configure_logging
+    from gateway.app import create_app
+    from gateway.policy import Policy
+
+    assert isinstance(policy, Policy)
+    configure_logging(log_level)
+    app = create_app(policy)
+    uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, lifespan="on",
+                timeout_graceful_shutdown=5, backlog=4096)

@@ -1,0 +1,141 @@
+"""Token counting off the event loop, with the character limit checked first.
+
+A 16K-token prompt takes ~10 ms to encode; on the event loop that would stall every stream the
+gateway is relaying. So counts run in a small thread pool. Threads, not processes: the Rust
+encoder releases the GIL (`encode_batch_fast`), the template render that holds it is well under a
+millisecond, and threads share one piece cache, which a process pool would split per worker and
+pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
+
+The character limit is checked on the loop before anything is queued: it is O(characters) with no
+rendering, and a prompt over it must cost the gateway nothing more than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gateway.cost.errors import PromptTooLong, RequestCostError
+from gateway.cost.estimator import chat_chars
+from gateway.cost.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+# A prompt of 2M characters is ~500K tokens, beyond any served context window; the policy lowers it.
+DEFAULT_MAX_PROMPT_CHARS = 2_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """A prompt's measure: tokens (exact or estimated) and characters (for learning the ratio)."""
+
+    tokens: int
+    chars: int
+    exact: bool
+
+
+CompletionPrompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+
+
+class TokenCounter:
+    """Async front of a `Tokenizer`: character limit, then a worker thread for the count."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        workers: int = 2,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"tokenize-{tokenizer.name}"
+        )
+
+    def check_chars(self, chars: int, param: str = "messages") -> None:
+        if chars > self.max_prompt_chars:
+            raise PromptTooLong(chars, self.max_prompt_chars, param)
+
+    async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.tokenizer.exact:
+            return fn(*args, **kwargs)  # an estimate is arithmetic: no thread hop needed
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def measure_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> TokenCount:
+        """Tokens and characters of a chat request; raises PromptTooLong or TemplateError."""
+        chars = chat_chars(messages, tools)
+        self.check_chars(chars)
+        tokens = await self._off_loop(self.tokenizer.count_chat, messages, tools, **template_kwargs)
+        return TokenCount(int(tokens), chars, self.tokenizer.exact)
+
+    async def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> int:
+        return (await self.measure_chat(messages, tools, **template_kwargs)).tokens
+
+    async def count_text(self, text: str) -> int:
+        self.check_chars(len(text), "prompt")
+        return int(await self._off_loop(self.tokenizer.count_text, text))
+
+    async def measure_prompt(self, prompt: CompletionPrompt) -> list[TokenCount]:
+        """A completions `prompt`: one count per sequence it holds (vLLM serves a list as a batch).
+
+        Strings are encoded with the tokenizer's special-token additions; token ids are counted.
+        """
+        sequences = _completion_sequences(prompt)
+        chars = sum(len(s) for s in sequences if isinstance(s, str))
+        self.check_chars(chars, "prompt")
+        texts = [s for s in sequences if isinstance(s, str)]
+        counts: list[int] = []
+        if texts:
+            counts = await self._off_loop(_count_texts, self.tokenizer, texts)
+        text_counts = iter(counts)
+        return [
+            TokenCount(next(text_counts), len(s), self.tokenizer.exact) if isinstance(s, str)
+            else TokenCount(len(s), 0, True)
+            for s in sequences
+        ]
+
+    def close(self) -> None:
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _count_texts(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
+    return [tokenizer.count_text(t) for t in texts]
+
+
+def _completion_sequences(prompt: object) -> list[str | list[int]]:
+    """Normalise the four shapes OpenAI allows for `prompt`; anything else is a 400."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, Sequence) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [str(p) for p in prompt]
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [[int(p) for p in prompt]]
+        if all(isinstance(p, Sequence) and not isinstance(p, str) and p
+               and all(isinstance(i, int) and not isinstance(i, bool) for i in p)
+               for p in prompt):
+            return [[int(i) for i in p] for p in prompt]
+    err = RequestCostError(
+        "prompt: must be a string, a list of strings, a list of token ids, "
+        "or a list of lists of token ids"
+    )
+    err.param = "prompt"
+    raise err

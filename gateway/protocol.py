@@ -1,0 +1,189 @@
+"""The OpenAI wire shapes the gateway reads and writes, and its error tree.
+
+Errors a caller can cause, or that the gateway decides, are `GatewayError`s. Each renders as
+OpenAI's error body `{"error": {"message", "type", "param", "code"}}` so that the official SDK
+raises the matching exception class (`BadRequestError`, `NotFoundError`, ...):
+
+    GatewayError
+      +-- InvalidRequest            400 invalid_request_error (bad JSON, schema, context length)
+      +-- ModelNotFound             404 invalid_request_error / model_not_found
+      +-- BodyTooLarge              413 invalid_request_error / request_too_large
+      +-- RequestTimeout            408 invalid_request_error / request_timeout (body trickled)
+      +-- NoBackendAvailable        503 service_unavailable / no_healthy_backend
+      +-- UpstreamError             502 upstream_error (connect failures on every backend, 5xx)
+
+Request bodies are validated only as far as the gateway needs them (model, messages or prompt,
+stream, token limits); unknown OpenAI fields pass through untouched, as vLLM's models allow.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class NoBackendAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_backend"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param,
+                                   "code": code}})
+
+
+def sse_error_frame(message: str, type_: str = "upstream_error",
+                    code: str | None = "upstream_error") -> bytes:
+    """An error as an SSE event, for failures after a stream has started (vLLM does the same)."""
+    return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+# --- request bodies -------------------------------------------------------------------------
+
+class _Passthrough(BaseModel):
+    # Unknown fields are the engine's business (vLLM extensions, new OpenAI fields).
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(_Passthrough):
+    role: StrictStr
+    content: Any = None
+
+
+class StreamOptions(_Passthrough):
+    include_usage: StrictBool | None = None
+
+
+NonNegativeTokens = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Common(_Passthrough):
+    model: StrictStr
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: NonNegativeTokens | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: NonNegativeTokens | None = None
+    tools: list[Any] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+Endpoint = Literal["chat", "completions"]
+ParsedRequest = ChatCompletionRequest | CompletionRequest
+
+
+def parse_request(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], ParsedRequest]:
+    """Decode and validate a body; return the raw dict (to forward) and the typed view."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}",
+                             code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    try:
+        parsed = model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise _schema_error(exc) from None
+    return data, parsed
+
+
+def _schema_error(exc: ValidationError) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    param = loc_path(err["loc"])
+    if err["type"] == "missing":
+        message = f"'{param}' is a required property"
+    else:
+        message = f"Invalid value for '{param}': {err['msg']}"
+        if "input" in err and not isinstance(err["input"], dict | list):
+            message += f" (got {str(err['input'])[:80]!r})"
+    return InvalidRequest(message, param=param, code="invalid_value")
+
+
+def loc_path(loc: tuple[int | str, ...]) -> str:
+    """('pools', 'long', 'backends', 1, 'url') -> 'pools.long.backends[1].url'.
+
+    Pydantic puts the name of a union member in the location (e.g. 'str', 'list[int]'); those
+    are not keys the user wrote, so they are dropped.
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after",
+                         "function-before", "function-wrap", "tagged-union"})

@@ -1,0 +1,239 @@
+"""Forwarding to engines with aiohttp, and streaming the answer back as it arrives.
+
+The streaming path is the hot path: each upstream read is handed to the ASGI server as it is,
+with no re-serialising; the gateway only notes when the first bytes came (TTFT) and, from the
+one frame that carries it, the final `usage`. Upstream errors are mapped to our own at this
+boundary, mid-stream too (as an SSE error frame, since the status line has already gone).
+
+Why aiohttp and not httpx: measured here with a minimal pass-through proxy at 100 streams,
+httpx adds more TTFT and collapses above ~0.8 core (its pool hands one idle connection to
+several waiters, encode/httpcore#822), while aiohttp relays >20x the chunks/s per core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from starlette.types import Send
+
+from gateway.backends import Backend
+from gateway.protocol import GatewayError, NoBackendAvailable, UpstreamError, sse_error_frame
+from gateway.routing import Router
+
+_USAGE_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+# Engine response headers worth passing on; everything else (hop-by-hop, server, date,
+# content-length of a body we re-frame) is the gateway's own business.
+_PASS_HEADERS = frozenset({"content-type", "retry-after"})
+_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class ClientGone(Exception):
+    """The caller disconnected; nothing more can be sent."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request's journey, filled in as it goes; logged and measured at the end."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    pool: str
+    body: bytes
+    stream: bool
+    arrival: float
+    response_headers: list[tuple[bytes, bytes]]
+    backend: Backend | None = None
+    status: int = 0
+    first_byte: float | None = None
+    finished: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    sse_events: int = 0
+    attempts: int = 0
+    response_started: bool = False
+    error: str = ""
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+
+
+class Forwarder:
+    def __init__(self, session: aiohttp.ClientSession, router: Router,
+                 connect_timeout: float, read_timeout: float) -> None:
+        self.session = session
+        self.router = router
+        self.backends = router.backends
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
+                                             sock_connect=connect_timeout,
+                                             sock_read=read_timeout)
+        self.loop = asyncio.get_running_loop()
+
+    async def forward(self, ex: Exchange, send: Send) -> None:
+        """Send `ex` to a backend of its pool and relay the answer through `send`.
+
+        Raises GatewayError before the response has started; after that, failures are
+        written into the stream and recorded in `ex`.
+        """
+        tried: tuple[Backend, ...] = ()
+        last_error = ""
+        pool_size = len(self.backends.pools[ex.pool])
+        while len(tried) < pool_size:
+            backend = self.router.pick(ex.pool, tried)
+            if backend is None:
+                break
+            tried += (backend,)
+            ex.backend = backend
+            ex.attempts += 1
+            backend.outstanding += 1
+            try:
+                resp = await self._open(ex, backend)
+                if resp is None:  # connect failure: nothing reached the engine; try another
+                    last_error = backend.last_error
+                    continue
+                async with resp:
+                    await self._relay(ex, backend, resp, send)
+                return
+            finally:
+                backend.outstanding -= 1
+        if ex.attempts == 0:
+            raise NoBackendAvailable(f"No healthy backend in pool `{ex.pool}`.",
+                                     headers={"retry-after": "1"})
+        raise UpstreamError(
+            f"Could not reach any backend of pool `{ex.pool}` "
+            f"({ex.attempts} tried; last: {last_error}).")
+
+    async def _open(self, ex: Exchange, backend: Backend) -> aiohttp.ClientResponse | None:
+        url = backend.chat_url if ex.endpoint == "chat" else backend.completions_url
+        headers = {"content-type": "application/json", "x-request-id": ex.request_id,
+                   "accept-encoding": "identity"}
+        if backend.auth_header:
+            headers["authorization"] = backend.auth_header
+        try:
+            return await self.session.post(url, data=ex.body, headers=headers,
+                                           timeout=self.timeout)
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            # Refused, unreachable, or a keep-alive connection the engine had closed: the
+            # engine did not start on this request, so another backend may take it.
+            self.backends.record_failure(backend, "connect", _describe(exc))
+            return None
+        except TimeoutError:
+            self.backends.record_failure(backend, "timeout", "connect timeout")
+            return None
+
+    async def _relay(self, ex: Exchange, backend: Backend, resp: aiohttp.ClientResponse,
+                     send: Send) -> None:
+        ex.status = resp.status
+        for name in _PASS_HEADERS:
+            value = resp.headers.get(name)
+            if value is not None:
+                ex.upstream_headers[name] = value
+        if resp.status >= 500 and resp.status != 503:
+            body = await self._read_body(ex, backend, resp)
+            self.backends.record_failure(backend, "status_5xx", f"HTTP {resp.status}")
+            raise UpstreamError(
+                f"The engine `{backend.name}` failed with HTTP {resp.status}: "
+                f"{_error_message(body)}", headers={"x-gateway-backend": backend.name})
+        if resp.status != 200 or not ex.stream:
+            body = await self._read_body(ex, backend, resp)
+            if resp.status == 200:
+                self.backends.record_success(backend)
+                _parse_usage(ex, body)
+            ex.first_byte = ex.finished = self.loop.time()
+            await self._start(ex, send, resp.status, len(body))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await self._stream(ex, backend, resp, send)
+
+    async def _read_body(self, ex: Exchange, backend: Backend,
+                         resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+            self.backends.record_failure(backend, kind, _describe(exc))
+            raise UpstreamError(f"The engine `{backend.name}` broke off its answer: "
+                                f"{_describe(exc)}") from None
+
+    async def _start(self, ex: Exchange, send: Send, status: int,
+                     length: int | None) -> None:
+        headers = list(ex.response_headers)
+        if ex.backend is not None:
+            headers.append((b"x-gateway-backend", ex.backend.name.encode()))
+        for name, value in ex.upstream_headers.items():
+            headers.append((name.encode(), value.encode("latin-1")))
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        else:
+            headers.extend(_SSE_HEADERS)
+        ex.response_started = True
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _stream(self, ex: Exchange, backend: Backend, resp: aiohttp.ClientResponse,
+                      send: Send) -> None:
+        await self._start(ex, send, 200, None)
+        content = resp.content
+        loop_time = self.loop.time
+        usage_frame = b""
+        events = 0
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                if ex.first_byte is None:
+                    ex.first_byte = loop_time()
+                events += chunk.count(b"data:")
+                if b'"usage":{' in chunk:
+                    usage_frame = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+            self.backends.record_failure(backend, kind, _describe(exc))
+            ex.error = f"upstream {kind}: {_describe(exc)}"
+            ex.status = 502
+            resp.close()  # do not return a half-read connection to the pool
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": sse_error_frame(
+                            f"The engine `{backend.name}` broke off the stream: "
+                            f"{_describe(exc)}")})
+        else:
+            self.backends.record_success(backend)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            ex.sse_events = events
+            ex.finished = loop_time()
+            if usage_frame:
+                _parse_usage(ex, usage_frame)
+
+
+def _parse_usage(ex: Exchange, body: bytes) -> None:
+    m = _USAGE_PROMPT.search(body)
+    if m:
+        ex.prompt_tokens = int(m.group(1))
+    m = _USAGE_COMPLETION.search(body)
+    if m:
+        ex.completion_tokens = int(m.group(1))
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+        msg = data.get("error", {}).get("message") if isinstance(data, dict) else None
+        if isinstance(msg, str):
+            return msg[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace") or "(empty body)"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+__all__ = ["ClientGone", "Exchange", "Forwarder", "GatewayError"]

@@ -1,0 +1,50 @@
+"""What a running gateway holds: the policy in force and the objects built from it.
+
+Built once in the app's lifespan (the aiohttp session needs a running loop) and read by every
+request through one reference, so a reload can swap a whole new Runtime in atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from gateway.backends import Backends
+from gateway.metrics import GatewayMetrics
+from gateway.policy import Policy
+from gateway.proxy import Forwarder
+from gateway.routing import Router
+
+
+@dataclass(eq=False)
+class Runtime:
+    policy: Policy
+    metrics: GatewayMetrics
+    backends: Backends
+    router: Router
+    forwarder: Forwarder
+    session: aiohttp.ClientSession
+    started_at: float
+
+
+def make_session(policy: Policy) -> aiohttp.ClientSession:
+    up = policy.upstream
+    connector = aiohttp.TCPConnector(
+        limit=up.max_connections, limit_per_host=0,
+        # Shorter than the engines' own keep-alive (uvicorn's default is 5 s), so the gateway
+        # never reuses a connection the engine is closing.
+        keepalive_timeout=up.keepalive_timeout_s,
+        enable_cleanup_closed=True,
+    )
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 skip_auto_headers=("User-Agent",))
+
+
+def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
+                  started_at: float) -> Runtime:
+    backends = Backends(policy, metrics)
+    router = Router(policy, backends)
+    forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
+                          policy.upstream.read_timeout_s)
+    return Runtime(policy, metrics, backends, router, forwarder, session, started_at)
