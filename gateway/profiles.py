@@ -217,3 +217,15 @@ def default_reserve_bytes(model: ModelProfile, tp: int) -> float:
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) if tokens > 0 else 0
+
+
+def vllm_batch_defaults(gpu: GpuProfile) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) recent vLLM picks for its OpenAI server on `gpu`.
+
+    `EngineArgs.get_batch_defaults`: devices with >= 70 GiB that are not A100s (H100, H200,
+    MI300x) get 8192 tokens and 1024 sequences; others 2048 and 256, because a large budget was
+    measured to lower A100 throughput (vLLM PR #17885).
+    """
+    if gpu.memory_bytes >= 70 * GiB and "a100" not in gpu.name:
+        return 8192, 1024
+    return 2048, 256

@@ -1,0 +1,161 @@
+"""Every error a caller can cause: OpenAI's error shape, the right status, never a hang."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
+from tests.servers import Server
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def post(gw: Server, path: str, body: bytes,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict[str, object]]:
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+    conn.request("POST", path, body=body,
+                 headers={"content-type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def assert_openai_error(data: dict[str, object], type_: str, code: str | None = None,
+                        param: str | None = None) -> dict[str, object]:
+    err = data["error"]
+    assert isinstance(err, dict)
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    assert "Traceback" not in str(err["message"])
+    return err
+
+
+@pytest.fixture
+def gw(sim_and_gateway: tuple[Server, Server]) -> Server:
+    return sim_and_gateway[1]
+
+
+def test_invalid_json_400(gw: Server) -> None:
+    status, headers, data = post(gw, "/v1/chat/completions", b'{"model": "test-model", ')
+    assert status == 400
+    assert headers["x-request-id"]
+    err = assert_openai_error(data, "invalid_request_error", "invalid_json")
+    assert "not valid JSON" in str(err["message"])
+
+
+def test_body_not_an_object_400(gw: Server) -> None:
+    status, _, data = post(gw, "/v1/completions", b"[1, 2]")
+    assert status == 400
+    assert_openai_error(data, "invalid_request_error", "invalid_json")
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"model": "test-model"}, "messages", "'messages' is a required property"),
+    ({"messages": MESSAGES}, "model", "'model' is a required property"),
+    ({"model": "test-model", "messages": []}, "messages", "at least 1 item"),
+    ({"model": "test-model", "messages": [{"content": "x"}]}, "messages[0].role", "required"),
+    ({"model": "test-model", "messages": MESSAGES, "max_tokens": -1}, "max_tokens",
+     "greater than or equal to 0"),
+    ({"model": "test-model", "messages": MESSAGES, "max_tokens": 2.5}, "max_tokens",
+     "valid integer"),
+    ({"model": "test-model", "messages": MESSAGES, "stream": "yes"}, "stream", "valid boolean"),
+])
+def test_schema_errors_name_the_field(gw: Server, body: dict[str, object], param: str,
+                                      words: str) -> None:
+    status, _, data = post(gw, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400
+    err = assert_openai_error(data, "invalid_request_error", param=param)
+    assert words in str(err["message"])
+
+
+def test_schema_error_through_sdk(gw: Server) -> None:
+    c = OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="test-model", prompt={"not": "a prompt"})  # type: ignore[arg-type]
+    assert err.value.status_code == 400
+    assert "prompt" in err.value.message
+
+
+def test_unknown_model_404(gw: Server) -> None:
+    c = OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        c.chat.completions.create(model="gpt-5", messages=MESSAGES)  # type: ignore[arg-type]
+    assert err.value.code == "model_not_found"
+    assert "`gpt-5` does not exist" in err.value.message
+    assert "test-model" in err.value.message
+
+
+def test_unknown_path_and_method(gw: Server) -> None:
+    status, _, data = post(gw, "/v1/embeddings", b"{}")
+    assert status == 404
+    assert_openai_error(data, "invalid_request_error", "not_found")
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+    conn.request("GET", "/v1/chat/completions")
+    resp = conn.getresponse()
+    assert resp.status == 405
+    assert_openai_error(json.loads(resp.read()), "invalid_request_error", "method_not_allowed")
+
+
+def test_body_over_limit_413(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    with start_sim() as sim, start_gateway(policy_yaml(
+            [sim.url], extra="server:\n  max_body_bytes: 2048\n")) as gw:
+        big = json.dumps({"model": "test-model",
+                          "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+        status, _, data = post(gw, "/v1/chat/completions", big)
+        assert status == 413
+        err = assert_openai_error(data, "invalid_request_error", "request_too_large")
+        assert "2048 bytes" in str(err["message"])
+        # Chunked upload without content-length: caught while reading.
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=iter([big[:1500], big[1500:]]),
+                     headers={"content-type": "application/json"}, encode_chunked=True)
+        resp = conn.getresponse()
+        assert resp.status == 413
+        assert_openai_error(json.loads(resp.read()), "invalid_request_error",
+                            "request_too_large")
+
+
+def test_trickled_body_times_out_408(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    with start_sim() as sim, start_gateway(policy_yaml(
+            [sim.url], extra="server:\n  body_timeout_s: 0.5\n")) as gw:
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                      b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
+            started = time.monotonic()
+            reply = s.recv(65536)
+            elapsed = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408")
+        assert b'"code":"request_timeout"' in reply
+        assert elapsed < 5
+
+
+def test_upstream_4xx_passes_through_unchanged(sim_and_gateway: tuple[Server, Server]) -> None:
+    sim, gw = sim_and_gateway
+    body = json.dumps({"model": "test-model", "messages": MESSAGES,
+                       "max_tokens": 10_000_000}).encode()
+    direct = post(sim, "/v1/chat/completions", body)
+    via = post(gw, "/v1/chat/completions", body)
+    assert direct[0] == via[0] == 400
+    assert direct[2] == via[2]
+    assert via[1]["x-gateway-backend"] == "e0"
+
+
+def test_rejections_leave_nothing_in_flight(gw: Server) -> None:
+    for body in (b"{", b'{"model": "nope", "messages": [{"role": "user"}]}'):
+        post(gw, "/v1/chat/completions", body)
+    s = scrape(gw.url)
+    assert metric(s, "gateway_inflight_requests") == 0
+    assert metric(s, "gateway_requests_total", status="400") >= 1
+    assert metric(s, "gateway_requests_total", status="404") >= 1

@@ -1,0 +1,146 @@
+"""The gateway as an OpenAI endpoint: the official SDK notices nothing but the gateway's headers.
+
+Real servers on loopback: the simulated engine and the gateway run as processes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
+from tests.servers import Server, free_port
+
+
+def client(gw: Server, **kw: object) -> OpenAI:
+    return OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30, **kw)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Count to ten."}]
+
+
+def test_chat_stream_through_gateway(sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    c = client(gw)
+    raw = c.chat.completions.with_raw_response.create(
+        model="test-model", messages=MESSAGES, max_tokens=12, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert raw.headers["x-gateway-pool"] == "default"
+    assert raw.headers["x-gateway-backend"] == "e0"
+    assert raw.headers["x-request-id"].startswith("gw-")
+    chunks = list(raw.parse())
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert usage.prompt_tokens > 10
+    assert text
+
+
+def test_chat_non_stream_and_request_id_propagated(
+        sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="test-model", messages=MESSAGES, max_tokens=5,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True}, extra_headers={"x-request-id": "trace-abc-123"})
+    assert raw.headers["x-request-id"] == "trace-abc-123"
+    resp = raw.parse()
+    assert resp.usage is not None and resp.usage.completion_tokens == 5
+    assert resp.choices[0].message.content
+
+
+def test_completions_stream_and_non_stream(sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    c = client(gw)
+    resp = c.completions.create(model="test-model", prompt="Once upon a time", max_tokens=7,
+                                extra_body={"ignore_eos": True})
+    assert resp.usage is not None and resp.usage.completion_tokens == 7
+    stream = c.completions.create(model="test-model", prompt=[1, 2, 3, 4], max_tokens=6,
+                                  stream=True, stream_options={"include_usage": True},
+                                  extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == 4
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_models_lists_policy_models(sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    assert [m.id for m in client(gw).models.list()] == ["test-model"]
+
+
+def test_metrics_after_traffic(sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    c = client(gw)
+    for _ in range(3):
+        list(c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                       max_tokens=4, stream=True,
+                                       extra_body={"ignore_eos": True}))
+    s = scrape(gw.url)
+    assert metric(s, "gateway_requests_total", pool="default", status="200") >= 3
+    assert metric(s, "gateway_ttft_seconds_count", pool="default") >= 3
+    assert metric(s, "gateway_tpot_seconds_count", pool="default") >= 3
+    assert metric(s, "gateway_request_duration_seconds_count", pool="default") >= 3
+    assert metric(s, "gateway_backend_up", pool="default", backend="e0") == 1
+    assert metric(s, "gateway_inflight_requests", pool="default") == 0
+    assert metric(s, "gateway_event_loop_lag_seconds_count") >= 0
+
+
+def test_client_disconnect_cancels_upstream(sim_and_gateway: tuple[Server, Server]) -> None:
+    sim, gw = sim_and_gateway
+    c = client(gw)
+    stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                       max_tokens=4000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert metric(scrape(gw.url), "gateway_inflight_requests", pool="default") == 1
+    stream.close()  # the caller goes away mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        g, e = scrape(gw.url), scrape(sim.url)
+        if metric(g, "gateway_inflight_requests", pool="default") == 0 \
+                and metric(e, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the engine kept generating after the caller left")
+    # 4000 tokens would take seconds; the engine stopped well before.
+    assert metric(e, "vllm:generation_tokens_total") < 4000
+    assert metric(g, "gateway_requests_total", status="499") == 1
+
+
+def test_dead_backend_skipped_and_retried(start_sim: StartSim,
+                                          start_gateway: StartGateway) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with start_sim() as sim:
+        policy = policy_yaml([dead, sim.url]).replace("probe_interval_s: 0.5",
+                                                     "probe_interval_s: 60")
+        with start_gateway(policy) as gw:
+            c = client(gw)
+            for _ in range(4):
+                resp = c.chat.completions.with_raw_response.create(
+                    model="test-model", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+                assert resp.headers["x-gateway-backend"] == "e1"
+            s = scrape(gw.url)
+            assert metric(s, "gateway_upstream_errors_total", backend="e0", kind="connect") >= 1
+            assert metric(s, "gateway_requests_total", status="200") == 4
+
+
+def test_all_backends_down_answers_503_and_not_ready(start_gateway: StartGateway) -> None:
+    policy = policy_yaml([f"http://127.0.0.1:{free_port()}"])
+    with start_gateway(policy) as gw:
+        with pytest.raises(openai.InternalServerError) as err:
+            client(gw).chat.completions.create(model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
+        assert err.value.status_code == 503
+        assert "No healthy backend" in err.value.message
+        import urllib.error
+        import urllib.request
+        with pytest.raises(urllib.error.HTTPError) as ready:
+            urllib.request.urlopen(gw.url + "/readyz", timeout=5)
+        assert ready.value.code == 503
+        assert b"no healthy backend in pool(s): default" in ready.value.read()
