@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -81,9 +82,9 @@ class HttpxProxy:
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
         try:
-            import httpx
+            httpx = importlib.import_module("httpx")
         except ImportError:  # this venv ships httpx under the httpx2 name
-            import httpx2 as httpx
+            httpx = importlib.import_module("httpx2")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.client = httpx.AsyncClient(limits=limits, timeout=None)
         try:

@@ -15,6 +15,9 @@ Why it is built this way:
 - a stream's next due time is its previous due time plus the interval, so lateness does not
   accumulate into the engine's own timing.
 
+A request may carry `"stub_ttft_ms"` and `"stub_itl_ms"` in its body to override the engine's
+defaults, so one engine (and the proxy in front of it) serves runs at several speeds.
+
 Run: python benchmarks/stub_engine.py --port 8100 --ttft-ms 50 --itl-ms 20
 """
 
@@ -100,19 +103,19 @@ class Ticker:
 class Stream:
     """A response in progress: the frames it still has to write and when the next is due."""
 
-    __slots__ = ("_config", "_conn", "_done", "_due", "_left", "_mid", "_prefix", "_tail",
+    __slots__ = ("_conn", "_done", "_due", "_itl", "_left", "_mid", "_prefix", "_tail",
                  "_ticker", "closed")
 
-    def __init__(self, conn: EngineProtocol, ticker: Ticker, config: Config, prefix: bytes,
-                 mid: bytes, tail: bytes, tokens: int, start: float) -> None:
+    def __init__(self, conn: EngineProtocol, ticker: Ticker, prefix: bytes, mid: bytes,
+                 tail: bytes, tokens: int, first_due: float, itl_s: float) -> None:
         self._conn = conn
         self._ticker = ticker
-        self._config = config
+        self._itl = itl_s
         self._prefix = prefix  # goes out with the first token (vLLM's role frame)
         self._mid = mid        # every token but the last
         self._tail = tail      # the last token, usage, [DONE] and the terminating chunk
         self._left = tokens
-        self._due = start + config.ttft_s
+        self._due = first_due
         self._done: Callable[[], None] | None = None
         self.closed = False
         ticker.schedule(self, self._due)
@@ -134,7 +137,7 @@ class Stream:
         transport.write(frame)
         self._left -= 1
         if self._left > 0:
-            self._due += self._config.itl_s
+            self._due += self._itl
             self._ticker.schedule(self, self._due)
         else:
             self.closed = True
@@ -241,6 +244,11 @@ class EngineProtocol(asyncio.Protocol):
                          or DEFAULT_MAX_TOKENS)
             if tokens < 1:
                 raise ValueError("max_tokens must be at least 1")
+            # Benchmark-only fields, so one engine can serve runs at several speeds.
+            ttft_s = float(req.get("stub_ttft_ms", self._engine.config.ttft_s * 1e3)) / 1e3
+            itl_s = float(req.get("stub_itl_ms", self._engine.config.itl_s * 1e3)) / 1e3
+            if ttft_s < 0 or itl_s < 0:
+                raise ValueError("stub_ttft_ms and stub_itl_ms must not be negative")
         except (ValueError, TypeError) as exc:
             self._reply(_plain_response(400, _error_body(str(exc), 400), keep_alive),
                         keep_alive)
@@ -268,14 +276,14 @@ class EngineProtocol(asyncio.Protocol):
             if include_usage:
                 tail += _http_chunk(_sse(frames.usage(usage)))
             tail += _http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-            stream = Stream(self, engine.ticker, engine.config, frames.role(), frames.mid(),
-                            tail, tokens, loop.time())
+            stream = Stream(self, engine.ticker, frames.role(), frames.mid(), tail, tokens,
+                            loop.time() + ttft_s, itl_s)
         else:
             payload = orjson.dumps(frames.whole(tokens, usage))
             response = _plain_response(200, payload, keep_alive)
             # One frame at the time the last token would be done: TTFT + (n-1) intervals.
-            stream = Stream(self, engine.ticker, engine.config, response, b"", b"", 1,
-                            loop.time() + (tokens - 1) * engine.config.itl_s)
+            stream = Stream(self, engine.ticker, b"", b"", response, 1,
+                            loop.time() + ttft_s + (tokens - 1) * itl_s, itl_s)
         self._stream = stream
 
         def done() -> None:

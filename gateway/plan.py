@@ -263,7 +263,6 @@ def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.splitlines()[0] if __doc__ else None
     p.add_argument("--model", help="profile name from gateway/profiles.py (or give --layers ...)")
     arch = p.add_argument_group("architecture (override or replace --model)")
     for flag, help_text in (("--layers", "decoder layers"), ("--heads", "query heads"),
@@ -290,8 +289,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, help="arrivals per second (with --mean-latency: "
                    "concurrency by Little's law)")
     p.add_argument("--mean-latency", type=float, help="mean seconds a request stays")
-    p.add_argument("--prompt-p50", type=int, help="prompt tokens P50 (default 2048, or the trace's)")
-    p.add_argument("--prompt-p99", type=int, help="prompt tokens P99 (default 16384, or the trace's)")
+    p.add_argument("--prompt-p50", type=int, help="prompt tokens P50 (default 2048 or the trace's)")
+    p.add_argument("--prompt-p99", type=int, help="prompt tokens P99 (default 16384 or trace's)")
     p.add_argument("--output-tokens", type=int, help="output tokens per request (default 0, "
                    "or the trace's mean)")
     p.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace to sample lengths from")
@@ -318,9 +317,9 @@ def _model_from_args(args: argparse.Namespace) -> ModelProfile:
         base = get_model(args.model)
         return dataclasses.replace(base, name=base.name + ("+custom" if overrides else ""),
                                    **overrides)
-    missing = [flag for flag, key in (("--layers", "num_layers"), ("--heads", "num_attention_heads"),
-                                      ("--kv-heads", "num_kv_heads"), ("--head-dim", "head_dim"),
-                                      ("--params", "params")) if key not in overrides]
+    required = (("--layers", "num_layers"), ("--heads", "num_attention_heads"),
+                ("--kv-heads", "num_kv_heads"), ("--head-dim", "head_dim"), ("--params", "params"))
+    missing = [flag for flag, key in required if key not in overrides]
     if missing:
         raise ProfileError(f"model: give --model NAME or all of {', '.join(missing)}")
     heads, head_dim = overrides["num_attention_heads"], overrides["head_dim"]
@@ -417,7 +416,8 @@ def render_text(r: PlanResult) -> str:
         + ("" if p.weights_fit else f"  -- weights ({p.weights_per_gpu_bytes / GB:.1f} GB per "
            "GPU) do not fit this GPU")
         + ("" if p.fits else "  -- no room left for KV cache"),
-        f"KV per replica     {p.kv_blocks_per_replica:,} blocks = {p.kv_tokens_per_replica:,} tokens",
+        f"KV per replica     {p.kv_blocks_per_replica:,} blocks = "
+        f"{p.kv_tokens_per_replica:,} tokens",
         f"max concurrency    {p.max_concurrency_p50:,} per replica at P50 ({seq50:,} tokens), "
         f"{p.max_concurrency_p99:,} at P99 ({seq99:,} tokens)",
     ]
@@ -427,8 +427,8 @@ def render_text(r: PlanResult) -> str:
             if d is not None:
                 share = "no budget" if d.fraction_of_budget is None \
                     else f"{d.fraction_of_budget:.0%} of budget"
-                lines.append(f"  {label:>3} {d.tokens:>7,} tokens  {_gib(d.total_bytes):>12} in all, "
-                             f"{_gib(d.per_gpu_bytes)} per GPU ({share})")
+                lines.append(f"  {label:>3} {d.tokens:>7,} tokens  {_gib(d.total_bytes):>12} "
+                             f"in all, {_gib(d.per_gpu_bytes)} per GPU ({share})")
     lines += ["", "layouts (memory ledger per GPU):",
               "  TP x replicas  weights/GPU  KV budget/GPU  KV tokens/replica  "
               "max conc. P50  max conc. P99" + ("  P(KV > budget)" if r.trace_requests else "")]

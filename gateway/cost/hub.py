@@ -85,7 +85,9 @@ def fetch_tokenizer_files(repo_id: str, timeout_s: float = 3.0) -> Path:
         from huggingface_hub import hf_hub_download
     except ImportError:
         tried.append("hub: huggingface_hub is not installed")
-        raise TokenizerError(f"tokenizer {repo_id!r} not found; tried: " + "; ".join(tried)) from None
+        raise TokenizerError(
+            f"tokenizer {repo_id!r} not found; tried: " + "; ".join(tried)
+        ) from None
 
     def download(filename: str, local_only: bool) -> Path:
         return Path(hf_hub_download(repo_id, filename, local_files_only=local_only,

@@ -162,7 +162,9 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     prepared: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise TemplateError(f"messages[{index}]: must be an object, got {type(message).__name__}")
+            raise TemplateError(
+                f"messages[{index}]: must be an object, got {type(message).__name__}"
+            )
         plain = {str(k): _plain(v) for k, v in message.items() if v is not None}
         reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
         if reasoning is not None:
@@ -203,14 +205,16 @@ def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     """Messages of an OpenAI chat request as vLLM hands them to the template.
 
     vLLM turns null content into "", joins the text parts of list content with newlines (for
-    string-content templates such as Qwen's) and parses each assistant tool call's JSON `arguments` into an object, which the
-    template then re-serialises with `tojson`; counting the unparsed string would be off by the
-    spacing difference.
+    string-content templates such as Qwen's) and parses each assistant tool call's JSON
+    `arguments` into an object, which the template then re-serialises with `tojson`; counting
+    the unparsed string would be off by the spacing difference.
     """
     out: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise TemplateError(f"messages[{index}]: must be an object, got {type(message).__name__}")
+            raise TemplateError(
+                f"messages[{index}]: must be an object, got {type(message).__name__}"
+            )
         msg = dict(message)
         content = msg.get("content")
         if content is None:

@@ -55,7 +55,9 @@ def _count(value: Any, where: str, field: str) -> int:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise TraceError(f"{where}: {field} must be a non-negative integer, got {value!r}") from None
+        raise TraceError(
+            f"{where}: {field} must be a non-negative integer, got {value!r}"
+        ) from None
     if number < 0 or number != int(number):
         raise TraceError(f"{where}: {field} must be a non-negative integer, got {value!r}")
     return int(number)

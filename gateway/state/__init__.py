@@ -1,0 +1,24 @@
+"""Where reservations live: `memory` (one process) or `redis` (shared by replicas).
+
+    create_state(None)               -> MemoryState
+    create_state("redis://host:6379") -> RedisState
+"""
+
+from __future__ import annotations
+
+from gateway.state.base import Lease, Limits, PoolUsage, ReserveResult, StateBackend, StateError
+from gateway.state.memory import MemoryState
+
+
+def create_state(url: str | None) -> StateBackend:
+    if not url or url == "memory://":
+        return MemoryState()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from gateway.state.redis import RedisState
+
+        return RedisState(url)
+    raise ValueError(f"--redis-url: expected redis://host:port[/db], got {url!r}")
+
+
+__all__ = ["Lease", "Limits", "MemoryState", "PoolUsage", "ReserveResult", "StateBackend",
+           "StateError", "create_state"]
