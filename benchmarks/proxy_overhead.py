@@ -182,6 +182,18 @@ def hist_delta(before: dict[float, float], after: dict[float, float]) -> HistDel
     return HistDelta(total, p99, top)
 
 
+def gc_summary(before: str | None, after: str | None) -> str:
+    """The gateway's GC pauses between two /metrics scrapes, per generation."""
+    parts = []
+    for gen in ("0", "1", "2"):
+        label = f'generation="{gen}"'
+        d = hist_delta(histogram(before, "gateway_gc_pause_seconds", label),
+                       histogram(after, "gateway_gc_pause_seconds", label))
+        if d.count:
+            parts.append(f"gen{gen} n={d.count:.0f} max <= {_ms(d.max_le)}")
+    return ", ".join(parts) or "none"
+
+
 def _ms(seconds: float) -> str:
     return "inf" if math.isinf(seconds) else f"{seconds * 1e3:g} ms"
 
@@ -225,6 +237,7 @@ class SatRun:
     excess_gap_max: float
     errors: int
     loop_lag: HistDelta | None
+    gc: str
 
     @property
     def per_cpu_s(self) -> float:
@@ -232,7 +245,7 @@ class SatRun:
 
 
 def excess_gaps(run: RunResult, itl_s: float) -> list[float]:
-    return [max(0.0, r.max_gap_s - itl_s) for r in run.results if r.ok and r.gaps_s]
+    return [max(0.0, r.max_gap_s - itl_s) for r in run.results if r.ok and r.ttft_s is not None]
 
 
 async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, duration_s: float,
@@ -297,7 +310,8 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
     return SatRun(t.name, streams * 1e3 / itl_ms, (e1 - e0) / wall,
                   (p1 - p0) / wall if t.proc else 0.0, (g1 - g0) / wall, (c1 - c0) / wall,
                   percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 99),
-                  max(gaps, default=math.nan), len(run.errors()), lag_delta)
+                  max(gaps, default=math.nan), len(run.errors()), lag_delta,
+                  gc_summary(before, after) if t.metrics else "")
 
 
 # ---------------------------------------------------------------- report
@@ -320,6 +334,10 @@ class Report:
 
 def f_ms(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+def f_delta(seconds: float) -> str:
+    return f"{seconds * 1e3:+.2f}"
 
 
 def f_pct(share: float) -> str:
@@ -358,6 +376,16 @@ def write_doc(path: Path, body: list[str]) -> None:
 
 async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   out: Report) -> None:
+    if "A" in args.parts:
+        await part_a(args, targets, engine, out)
+    if "B" in args.parts:
+        await part_b(args, targets, engine, out)
+    if "C" in args.parts:
+        await part_c(args, targets, engine, out)
+
+
+async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
+                 out: Report) -> None:
     streams, ttft_ms, itl_ms = args.streams, 50.0, 20.0
     out(f"## A. TTFT overhead: {streams} concurrent streams, engine {ttft_ms:g} ms TTFT / "
         f"{itl_ms:g} ms per token, {args.tokens} tokens per request")
@@ -386,13 +414,15 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
         d99 = [r.p99 - d.p99 for r, d in zip(rs, direct, strict=True)]
         rows.append([t.name, f_ms(median([r.p50 for r in rs])),
                      f_ms(median([r.p99 for r in rs])),
-                     "" if t.name == "direct" else f"+{f_ms(median(d50))}",
-                     "" if t.name == "direct" else f"+{f_ms(median(d99))}",
+                     "" if t.name == "direct" else f"{f_delta(median(d50))}",
+                     "" if t.name == "direct" else f"{f_delta(median(d99))}",
+                     "" if t.name == "direct" else
+                     f"{f_delta(min(d99))} .. {f_delta(max(d99))}",
                      f_ms(median([r.excess_gap_p99 for r in rs])),
                      f_ms(max(r.excess_gap_max for r in rs)),
                      "" if t.proc is None else f_pct(median([r.proxy_cpu for r in rs])),
                      str(sum(r.n for r in rs)), str(sum(r.errors for r in rs))])
-    out.table(["target", "TTFT P50", "TTFT P99", "+P50", "+P99", "stall P99", "stall max",
+    out.table(["target", "TTFT P50", "TTFT P99", "+P50", "+P99", "+P99 range", "stall P99", "stall max",
                "proxy CPU", "requests", "errors"], rows)
     out("Stall: a stream's longest gap between chunks beyond the engine's 20 ms, P99 over "
         "streams and the worst of all runs. Client (generator) CPU "
@@ -408,6 +438,9 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
             + "; ".join(lags))
         out()
 
+
+async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
+                 out: Report) -> None:
     out(f"## B. Saturation: {args.sat_streams} streams, shorter token intervals until "
         "the proxy nears one core")
     out()
@@ -436,10 +469,10 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
                              f_pct(s.engine_cpu), f_pct(s.client_cpu), f_ms(s.ttft_p50),
                              f_ms(s.ttft_p99), f_ms(s.excess_gap_p99), f_ms(s.excess_gap_max),
                              str(s.errors),
-                             "" if s.loop_lag is None else s.loop_lag.show()])
+                             "" if s.loop_lag is None else s.loop_lag.show(), s.gc])
     out.table(["target", "offered/s", "chunks/s", "proxy CPU", "per CPU-s", "engine CPU",
                "client CPU", "TTFT P50", "TTFT P99", "stall P99", "stall max", "errors",
-               "loop lag"], sat_rows)
+               "loop lag", "GC pauses"], sat_rows)
     out("Best level per target:")
     out()
     best_rows = []
@@ -457,6 +490,9 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
         "hold against the target.")
     out()
 
+
+async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
+                 out: Report) -> None:
     out(f"## C. Stalls at the target relay rate: {args.stall_streams} streams at 20 ms/token "
         f"({args.stall_streams * 50} chunks/s offered), {args.stall_s:g} s, direct and gateway "
         "alternated")
@@ -470,16 +506,7 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
             r = await ttft_run(t, engine, streams=args.stall_streams, tokens=100,
                                duration_s=args.stall_s, ttft_ms=50.0, itl_ms=20.0)
             gc_after = metrics_text(t.url) if t.metrics else None
-            gc_note = ""
-            if t.metrics:
-                parts = []
-                for gen in ("0", "1", "2"):
-                    d = hist_delta(histogram(gc_before, "gateway_gc_pause_seconds",
-                                             f'generation="{gen}"'),
-                                   histogram(gc_after, "gateway_gc_pause_seconds",
-                                             f'generation="{gen}"'))
-                    parts.append(f"gen{gen} {d.show()}")
-                gc_note = "; ".join(parts)
+            gc_note = gc_summary(gc_before, gc_after) if t.metrics else ""
             print(f"  stall rep {rep} {t.name:<10} stall p99 {f_ms(r.excess_gap_p99)} max "
                   f"{f_ms(r.excess_gap_max)} ttft p99 {f_ms(r.p99)}", flush=True)
             stall_rows.append([t.name, str(rep), f_ms(r.p50), f_ms(r.p99),
@@ -500,10 +527,10 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="one short repeat of everything")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--streams", type=int, default=100)
     p.add_argument("--tokens", type=int, default=16, help="tokens per request in part A")
-    p.add_argument("--ttft-s", type=float, default=4.0, help="seconds per part-A run")
+    p.add_argument("--ttft-s", type=float, default=3.0, help="seconds per part-A run")
     p.add_argument("--sat-streams", type=int, default=200)
     p.add_argument("--sat-itl-ms", type=float, nargs="+", default=[20.0, 10.0, 5.0, 3.3])
     p.add_argument("--sat-stream-s", type=float, default=1.0)
@@ -513,6 +540,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stall-repeats", type=int, default=2)
     p.add_argument("--targets", default="gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway, aiohttp, httpx")
+    p.add_argument("--parts", default="ABC", help="which parts to run, e.g. A or BC")
+    p.add_argument("--gateway-log-level", default="info",
+                   help="info keeps the access log on, as deployed (it goes to a file)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--gateway", default=str(BIN / "gateway"), help="the gateway executable")
     p.add_argument("--write", type=Path, help="write results into this markdown file")
@@ -546,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                 policy.write_text(POLICY.format(model=MODEL, engine=engine.url))
                 proc = stack.enter_context(start(
                     "gateway", [args.gateway, "serve", "--policy", str(policy), "--port",
-                                "{port}", "--log-level", "warning"], "/readyz", work,
+                                "{port}", "--log-level", args.gateway_log_level], "/readyz", work,
                     proxy_cpu))
                 targets.append(Target("gateway", proc.url, proc, metrics=True))
             elif name in ("aiohttp", "httpx"):

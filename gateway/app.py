@@ -30,7 +30,9 @@ from gateway.api import ops
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
-from gateway.runtime import Runtime, build_runtime, make_session
+from gateway.api.estimate import estimate_endpoint
+from gateway.runtime import Runtime, build_runtime, load_counters, make_session
+from gateway.state import create_state
 
 log = logging.getLogger("gateway.app")
 
@@ -38,8 +40,10 @@ LAG_INTERVAL_S = 0.1
 
 
 class GatewayApp:
-    def __init__(self, policy: Policy, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, policy: Policy, metrics: GatewayMetrics | None = None,
+                 redis_url: str | None = None) -> None:
         self.policy = policy
+        self.redis_url = redis_url
         self.metrics = metrics or GatewayMetrics()
         self.runtime: Runtime | None = None
         get = self._runtime
@@ -55,6 +59,7 @@ class GatewayApp:
                 Route("/healthz", ops.healthz, methods=["GET"]),
                 Route("/readyz", ops.readyz, methods=["GET"]),
                 Route("/metrics", ops.metrics, methods=["GET"]),
+                Route("/gateway/estimate", estimate_endpoint, methods=["POST"]),
             ],
             exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
             lifespan=self._lifespan,
@@ -74,13 +79,22 @@ class GatewayApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        counters = await asyncio.to_thread(load_counters, self.policy)
         session = make_session(self.policy)
-        rt = build_runtime(self.policy, self.metrics, session, time.time())
+        state = create_state(self.redis_url)
+        rt = build_runtime(self.policy, self.metrics, session, state, counters, time.time())
         await rt.backends.probe_all(session)
         self.runtime = rt
         app.state.runtime = rt
+        sig = self.policy.signals
+        targets = [(b.pool, b.name, b.url + "/metrics", self.policy.pools[b.pool].engine)
+                   for b in rt.backends.all() if self.policy.pools[b.pool].engine != "openai"]
         tasks = [asyncio.create_task(rt.backends.run_prober(session), name="health-prober"),
-                 asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")]
+                 asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag"),
+                 asyncio.create_task(rt.admission.run(), name="admission"),
+                 asyncio.create_task(rt.scraper.run(
+                     session, targets, sig.scrape_interval_s, sig.scrape_timeout_s,
+                     rt.admission.on_engine_sample), name="engine-scraper")]
         self.metrics.install_gc_callback()
         gc.collect()
         gc.freeze()
@@ -94,6 +108,9 @@ class GatewayApp:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.metrics.remove_gc_callback()
             await session.close()
+            await state.close()
+            for counter in counters.values():
+                counter.close()
 
 
 async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
@@ -118,5 +135,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None)
 
 
-def create_app(policy: Policy, metrics: GatewayMetrics | None = None) -> GatewayApp:
-    return GatewayApp(policy, metrics)
+def create_app(policy: Policy, metrics: GatewayMetrics | None = None,
+               redis_url: str | None = None) -> GatewayApp:
+    return GatewayApp(policy, metrics, redis_url)

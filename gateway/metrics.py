@@ -61,6 +61,38 @@ class GatewayMetrics:
         self.gc_pause = Histogram(
             "gateway_gc_pause_seconds", "Garbage-collection pauses, by generation.",
             ["generation"], buckets=LAG_BUCKETS, registry=r)
+        # --- admission ---
+        self.admission_decisions = Counter(
+            "gateway_admission_decisions_total",
+            "Admission decisions: admitted (at once), queued (admitted after waiting), "
+            "rejected; with the reason.", ["pool", "decision", "reason"], registry=r)
+        self.queue_depth = Gauge(
+            "gateway_queue_depth", "Requests waiting for admission.", ["pool", "priority"],
+            registry=r)
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds", "Time admitted requests spent in the queue.",
+            ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_blocks_reserved = Gauge(
+            "gateway_kv_blocks_reserved", "KV blocks reserved by in-flight requests "
+            "(all replicas sharing the state backend).", ["pool", "backend"], registry=r)
+        self.kv_blocks_capacity = Gauge(
+            "gateway_kv_blocks_capacity", "KV blocks of the backend: from the engine's "
+            "vllm:cache_config_info, else the policy, else the planner's ledger.",
+            ["pool", "backend"], registry=r)
+        self.engine_kv_usage = Gauge(
+            "gateway_engine_kv_usage_ratio", "The engine's own KV cache usage (0-1), scraped.",
+            ["pool", "backend"], registry=r)
+        self.latency_guard_limit = Gauge(
+            "gateway_latency_guard_limit_tokens", "In-flight tokens the latency guard allows "
+            "the pool now.", ["pool"], registry=r)
+        self.state_errors = Counter(
+            "gateway_state_errors_total", "Failed operations on the state backend.", ["op"],
+            registry=r)
+        self.token_estimate_error = Histogram(
+            "gateway_token_estimate_error_ratio",
+            "Relative error of prompt-token estimates for models with tokenizer `none` "
+            "(|estimate - engine's count| / engine's count).", ["model"],
+            buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0), registry=r)
         self._children: dict[tuple[str, ...], Any] = {}
 
     # Children cached by key: `labels()` takes a lock and builds a tuple on every call.

@@ -73,8 +73,10 @@ class Forwarder:
                                              sock_read=read_timeout)
         self.loop = asyncio.get_running_loop()
 
-    async def forward(self, ex: Exchange, send: Send) -> None:
-        """Send `ex` to a backend of its pool and relay the answer through `send`.
+    async def forward(self, ex: Exchange, send: Send, first: Backend | None = None) -> None:
+        """Send `ex` to `first` (admission's choice), or to the least-loaded backend of its
+        pool, and relay the answer through `send`. A connect failure moves on to another
+        backend of the pool (the reservation stays booked on the first; it is short-lived).
 
         Raises GatewayError before the response has started; after that, failures are
         written into the stream and recorded in `ex`.
@@ -83,7 +85,8 @@ class Forwarder:
         last_error = ""
         pool_size = len(self.backends.pools[ex.pool])
         while len(tried) < pool_size:
-            backend = self.router.pick(ex.pool, tried)
+            backend = first if first is not None and not tried \
+                else self.router.pick(ex.pool, tried)
             if backend is None:
                 break
             tried += (backend,)

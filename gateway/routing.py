@@ -1,7 +1,13 @@
 """Request -> pool -> backend. Plain code; knows nothing of HTTP.
 
-A model may be served by several pools; the first pool in the policy that serves it and has a
-healthy backend takes the request. (Token-range routing to a long-context pool builds on this.)
+A pool takes the models it lists and the prompt lengths in its range (`prompt_tokens_min` to
+`prompt_tokens_max`), so long-context requests go to a dedicated pool and never stall chat
+decode. Among the pools that fit, the first with a healthy backend wins. When a pool has no
+healthy backend and names an `overflow_to` pool, its requests go there under that pool's cap
+on concurrent overflowed requests; otherwise they are refused with 503.
+
+A request no pool can hold (prompt + max output over every pool's `max_model_len`) is refused
+with 400 `context_length_exceeded` before any backend sees it.
 """
 
 from __future__ import annotations
@@ -10,13 +16,14 @@ from dataclasses import dataclass
 
 from gateway.backends import Backend, Backends
 from gateway.policy import ModelSpec, Policy
-from gateway.protocol import ModelNotFound, NoBackendAvailable
+from gateway.protocol import InvalidRequest, ModelNotFound, NoBackendAvailable
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     model: ModelSpec
     pool: str
+    overflow: bool = False  # sent here because its own (long-context) pool is down
 
 
 class Router:
@@ -34,19 +41,39 @@ class Router:
                 f"{', '.join(self._models)}.", param="model")
         return spec
 
-    def route(self, model_name: str) -> Route:
-        model = self.model(model_name)
+    def route(self, model: ModelSpec, prompt_tokens: int = 0,
+              max_tokens: int | None = None) -> Route:
         pools = self._pools_for[model.name]
-        for pool in pools:
+        need = prompt_tokens + (max_tokens if max_tokens is not None else 1)
+        fits = [p for p in pools if need <= self.policy.pools[p].max_model_len]
+        if not fits:
+            longest = max(self.policy.pools[p].max_model_len for p in pools)
+            asked = (f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                     f"{max_tokens} in the completion)" if max_tokens is not None
+                     else f"{prompt_tokens} tokens in the messages")
+            raise InvalidRequest(
+                f"This model's maximum context length is {longest} tokens. However, you "
+                f"requested {asked}. Please reduce the length of the messages or completion.",
+                param="messages", code="context_length_exceeded")
+        in_range = [p for p in fits if self._in_range(p, prompt_tokens)] or fits
+        for pool in in_range:
             if self.backends.healthy(pool):
                 return Route(model, pool)
-        if not pools:
-            raise NoBackendAvailable(f"No pool serves the model `{model.name}`.")
+        for pool in in_range:
+            target = self.policy.pools[pool].overflow_to
+            if target and target in fits and self.backends.healthy(target):
+                return Route(model, target, overflow=True)
         down = "; ".join(f"{b.pool}/{b.name}: {b.status(self.backends.clock())}"
-                         for pool in pools for b in self.backends.pools[pool])
+                         for pool in in_range for b in self.backends.pools[pool])
         raise NoBackendAvailable(
-            f"No healthy backend for the model `{model.name}` ({down}).",
-            headers={"retry-after": str(int(self.policy.health.probe_interval_s) or 1)})
+            f"No healthy backend for the model `{model.name}` at {prompt_tokens} prompt "
+            f"tokens ({down}).",
+            headers={"retry-after": str(max(1, int(self.policy.health.probe_interval_s)))})
+
+    def _in_range(self, pool: str, prompt_tokens: int) -> bool:
+        spec = self.policy.pools[pool]
+        return spec.prompt_tokens_min <= prompt_tokens and (
+            spec.prompt_tokens_max is None or prompt_tokens < spec.prompt_tokens_max)
 
     def pick(self, pool: str, exclude: tuple[Backend, ...] = ()) -> Backend | None:
         return self.backends.pick(pool, exclude)

@@ -10,11 +10,15 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.admission.controller import Admission
 from gateway.backends import Backends
+from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.proxy import Forwarder
 from gateway.routing import Router
+from gateway.signals.engines import EngineScraper
+from gateway.state import StateBackend
 
 
 @dataclass(eq=False)
@@ -25,6 +29,11 @@ class Runtime:
     router: Router
     forwarder: Forwarder
     session: aiohttp.ClientSession
+    state: StateBackend
+    scraper: EngineScraper
+    admission: Admission
+    counters: dict[str, TokenCounter]  # model -> prompt token counter
+    output_lengths: dict[str, OutputLengthModel]  # model -> learned completion lengths
     started_at: float
 
 
@@ -41,10 +50,22 @@ def make_session(policy: Policy) -> aiohttp.ClientSession:
                                  skip_auto_headers=("User-Agent",))
 
 
+def load_counters(policy: Policy) -> dict[str, TokenCounter]:
+    """One counter per model; a tokenizer that cannot load stops start-up, naming the model."""
+    return {m.name: TokenCounter(load_tokenizer(m.tokenizer), policy.server.max_prompt_chars)
+            for m in policy.models}
+
+
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
+                  state: StateBackend, counters: dict[str, TokenCounter],
                   started_at: float) -> Runtime:
     backends = Backends(policy, metrics)
     router = Router(policy, backends)
     forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
                           policy.upstream.read_timeout_s)
-    return Runtime(policy, metrics, backends, router, forwarder, session, started_at)
+    scraper = EngineScraper(policy.signals.metrics_max_age_s)
+    admission = Admission(policy, backends, state, metrics, scraper)
+    outputs = {m.name: OutputLengthModel(policy.defaults.expected_output_tokens)
+               for m in policy.models}
+    return Runtime(policy, metrics, backends, router, forwarder, session, state, scraper,
+                   admission, counters, outputs, started_at)

@@ -141,15 +141,32 @@ def test_trickled_body_times_out_408(start_sim: StartSim, start_gateway: StartGa
         assert elapsed < 5
 
 
-def test_upstream_4xx_passes_through_unchanged(sim_and_gateway: tuple[Server, Server]) -> None:
+def test_context_length_exceeded_before_any_backend(
+        sim_and_gateway: tuple[Server, Server]) -> None:
     sim, gw = sim_and_gateway
-    body = json.dumps({"model": "test-model", "messages": MESSAGES,
-                       "max_tokens": 10_000_000}).encode()
-    direct = post(sim, "/v1/chat/completions", body)
-    via = post(gw, "/v1/chat/completions", body)
-    assert direct[0] == via[0] == 400
-    assert direct[2] == via[2]
-    assert via[1]["x-gateway-backend"] == "e0"
+    c = OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                  max_tokens=10_000)
+    assert err.value.code == "context_length_exceeded"
+    assert "maximum context length is 8192 tokens" in err.value.message
+    assert metric(scrape(sim.url), "vllm:num_requests_running") == 0
+    assert metric(scrape(sim.url), "vllm:prompt_tokens_total") == 0  # never reached it
+
+
+def test_upstream_4xx_passes_through_unchanged(start_sim: StartSim,
+                                               start_gateway: StartGateway) -> None:
+    # The policy says 8192 but the engine was started with 4096: the engine's own 400.
+    with start_sim("--max-model-len", "4096") as sim, \
+            start_gateway(policy_yaml([sim.url])) as gw:
+        body = json.dumps({"model": "test-model", "messages": MESSAGES,
+                           "max_tokens": 6000}).encode()
+        direct = post(sim, "/v1/chat/completions", body)
+        via = post(gw, "/v1/chat/completions", body)
+        assert direct[0] == via[0] == 400
+        assert direct[2] == via[2]
+        assert via[1]["x-gateway-backend"] == "e0"
+        assert metric(scrape(gw.url), "gateway_kv_blocks_reserved") == 0
 
 
 def test_rejections_leave_nothing_in_flight(gw: Server) -> None:

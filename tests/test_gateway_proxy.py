@@ -116,19 +116,32 @@ def test_client_disconnect_cancels_upstream(sim_and_gateway: tuple[Server, Serve
 
 def test_dead_backend_skipped_and_retried(start_sim: StartSim,
                                           start_gateway: StartGateway) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with start_sim() as sim:
-        policy = policy_yaml([dead, sim.url]).replace("probe_interval_s: 0.5",
-                                                     "probe_interval_s: 60")
+    with start_sim() as doomed, start_sim() as sim:
+        policy = policy_yaml([doomed.url, sim.url]).replace("probe_interval_s: 0.5",
+                                                           "probe_interval_s: 60")
         with start_gateway(policy) as gw:
+            doomed.stop()  # dies after the gateway's probe saw it healthy
             c = client(gw)
             for _ in range(4):
                 resp = c.chat.completions.with_raw_response.create(
                     model="test-model", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
                 assert resp.headers["x-gateway-backend"] == "e1"
             s = scrape(gw.url)
-            assert metric(s, "gateway_upstream_errors_total", backend="e0", kind="connect") >= 1
+            # Connect refused twice (the failure threshold), then ejected: skipped.
+            assert metric(s, "gateway_upstream_errors_total", backend="e0", kind="connect") == 2
+            assert metric(s, "gateway_backend_up", backend="e0") == 0
             assert metric(s, "gateway_requests_total", status="200") == 4
+
+
+def test_backend_down_at_start_is_not_used(start_sim: StartSim,
+                                           start_gateway: StartGateway) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with start_sim() as sim, start_gateway(policy_yaml([dead, sim.url])) as gw:
+        for _ in range(3):
+            resp = client(gw).chat.completions.with_raw_response.create(
+                model="test-model", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+            assert resp.headers["x-gateway-backend"] == "e1"
+        assert metric(scrape(gw.url), "gateway_upstream_errors_total") == 0
 
 
 def test_all_backends_down_answers_503_and_not_ready(start_gateway: StartGateway) -> None:

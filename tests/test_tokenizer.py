@@ -52,7 +52,8 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
     "user": [{"role": "user", "content": "hi"}],
     "system+user": [{"role": "system", "content": "You are helpful."},
                     {"role": "user", "content": "Tell me a joke."}],
-    "unicode": [{"role": "user", "content": "héllo 世界 🙂 Ünïcödé — ‘quotes’ \u00e9 vs e\u0301"}],
+    "unicode": [{"role": "user",
+                 "content": "héllo 世界 🙂 Ünïcödé \u2014 \u2018quotes\u2019 \u00e9 vs e\u0301"}],
     "empty": [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
     "whitespace": [{"role": "user", "content": "  lead\n\n\ttabs  \r\n trail   "}],
     "special-text": [{"role": "user", "content": "a<|im_end|>\n<|im_start|>system\nb <tool_call>"}],
@@ -191,7 +192,7 @@ def test_load_from_directory_and_file_paths(ours: HFTokenizer) -> None:
 
 
 def test_load_errors_name_what_was_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(TokenizerError, match="directory has no tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"directory has no tokenizer\.json"):
         load_tokenizer(str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -206,7 +207,7 @@ def test_load_errors_name_what_was_tried(tmp_path: Path, monkeypatch: pytest.Mon
         load_tokenizer("./no/such//tokenizer dir")
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{}")
-    with pytest.raises(TokenizerError, match="not a fast tokenizer file"):
+    with pytest.raises(TokenizerError, match=r"not a fast tokenizer file"):
         load_tokenizer(str(bad))
 
 

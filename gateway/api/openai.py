@@ -9,6 +9,8 @@ Whatever goes wrong, the caller gets OpenAI's error shape, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import itertools
 import logging
 import os
@@ -29,6 +31,9 @@ from gateway.protocol import (
     error_body,
     parse_request,
 )
+from gateway.admission.controller import Ask, Ticket
+from gateway.admission.queue import PRIORITIES
+from gateway.costing import cost_request
 from gateway.proxy import ClientGone, Exchange
 from gateway.runtime import Runtime
 
@@ -42,15 +47,6 @@ _ids = itertools.count(1)
 def new_request_id() -> str:
     # Unique across replicas by the random prefix; cheaper than uuid4 per request.
     return f"gw-{_ID_PREFIX}-{next(_ids)}"
-
-
-def _client_request_id(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            if 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
-                return value.decode()
-            return None
-    return None
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
@@ -89,11 +85,14 @@ class CompletionsEndpoint:
         rt = self.runtime()
         loop = asyncio.get_running_loop()
         arrival = loop.time()
-        request_id = _client_request_id(scope) or new_request_id()
+        headers = _headers(scope)
+        request_id = _valid_request_id(headers.get(b"x-request-id")) or new_request_id()
         rid_header = (b"x-request-id", request_id.encode())
         ex: Exchange | None = None
+        ticket: Ticket | None = None
+        forward_start = 0.0
 
-        # Watch for the caller leaving while we wait on the engine; cancel the work at once.
+        # Watch for the caller leaving while we wait (queue, engine); cancel the work at once.
         task = asyncio.current_task()
         gone = False
 
@@ -109,25 +108,37 @@ class CompletionsEndpoint:
         try:
             body = await read_body(scope, receive, rt.policy.server.max_body_bytes,
                                    rt.policy.server.body_timeout_s)
-            data, parsed = parse_request(body, self.endpoint)
-            route = rt.router.route(parsed.model)
-            upstream_name = route.model.upstream_name
-            if upstream_name != parsed.model:
-                data["model"] = upstream_name
-                body = orjson.dumps(data)
-            ex = Exchange(
-                request_id=request_id, endpoint=self.endpoint, model=route.model.name,
-                pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
-                response_headers=[rid_header, (b"x-gateway-pool", route.pool.encode())],
-            )
             watcher = asyncio.ensure_future(receive())
             watcher.add_done_callback(on_receive)
+            data, parsed = parse_request(body, self.endpoint)
+            model = rt.router.model(parsed.model)
+            costed, chars = await cost_request(rt, model, data, parsed)
+            route = costed.route
+            ask = Ask(route.pool, costed.blocks, costed.tokens,
+                      priority=_priority(headers.get(b"x-priority")),
+                      caller=_caller(headers.get(b"authorization")),
+                      deadline_s=_client_deadline(headers), overflow=route.overflow)
+            if model.upstream_name != parsed.model:
+                data["model"] = model.upstream_name
+                body = orjson.dumps(data)
+            ticket = await rt.admission.admit(ask)
+            ex = Exchange(
+                request_id=request_id, endpoint=self.endpoint, model=model.name,
+                pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
+                response_headers=[
+                    rid_header, (b"x-gateway-pool", route.pool.encode()),
+                    (b"x-gateway-decision", ticket.decision.encode()),
+                    (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
+                    (b"x-gateway-prompt-tokens", b"%d" % costed.prompt_tokens)],
+            )
             inflight = rt.metrics.pool_children(route.pool)[3]
             inflight.inc()
+            forward_start = loop.time()
             try:
-                await rt.forwarder.forward(ex, send)
+                await rt.forwarder.forward(ex, send, ticket.backend)
             finally:
                 inflight.dec()
+                _learn(rt, model.name, ex, chars, costed.exact)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -138,7 +149,7 @@ class CompletionsEndpoint:
         except GatewayError as err:
             if ex is not None and ex.backend is not None and err.status == 502:
                 err.headers.setdefault("x-gateway-backend", ex.backend.name)
-            if ex is None or not ex.response_started:
+            if not gone and (ex is None or not ex.response_started):
                 await _send_error(send, err, rid_header)
             if ex is not None:
                 ex.status = err.status
@@ -157,11 +168,78 @@ class CompletionsEndpoint:
             if watcher is not None:
                 watcher.remove_done_callback(on_receive)
                 watcher.cancel()
+            if ticket is not None:
+                # Shielded: a second cancellation must not leak the reservation.
+                await asyncio.shield(rt.admission.release(ticket))
         if ex is not None:
-            _observe(rt, ex, gone, loop.time())
+            _observe(rt, ex, gone, loop.time(), forward_start)
 
 
-def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float) -> None:
+def _headers(scope: Scope) -> dict[bytes, bytes]:
+    # Only the few headers the gateway reads; later duplicates are ignored, as most proxies do.
+    out: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        if name in _READ_HEADERS and name not in out:
+            out[name] = value
+    return out
+
+
+_READ_HEADERS = frozenset({b"x-request-id", b"x-priority", b"authorization",
+                           b"x-stainless-timeout", b"x-gateway-max-queue-ms"})
+
+
+def _valid_request_id(value: bytes | None) -> str | None:
+    if value and len(value) <= 128 and value.isascii():
+        text = value.decode()
+        if text.isprintable():
+            return text
+    return None
+
+
+def _priority(value: bytes | None) -> int:
+    if value:
+        return PRIORITIES.get(value.decode("latin-1").strip().lower(), PRIORITIES["standard"])
+    return PRIORITIES["standard"]
+
+
+def _caller(auth: bytes | None) -> str:
+    """Who is asking, for fairness: a digest of the key, never the key itself."""
+    if not auth:
+        return "anonymous"
+    return hashlib.blake2b(auth, digest_size=8).hexdigest()
+
+
+def _client_deadline(headers: dict[bytes, bytes]) -> float | None:
+    """A caller's own limit on queueing: x-gateway-max-queue-ms, or half the SDK's timeout.
+
+    The official SDKs send their timeout as x-stainless-timeout (seconds); waiting longer than
+    half of it in the queue leaves too little time to generate.
+    """
+    deadline = None
+    raw = headers.get(b"x-gateway-max-queue-ms")
+    if raw:
+        with contextlib.suppress(ValueError):
+            deadline = max(0.0, float(raw) / 1000)
+    raw = headers.get(b"x-stainless-timeout")
+    if raw:
+        with contextlib.suppress(ValueError):
+            half = max(0.0, float(raw) / 2)
+            deadline = half if deadline is None else min(deadline, half)
+    return deadline
+
+
+def _learn(rt: Runtime, model: str, ex: Exchange, chars: int, exact: bool) -> None:
+    """Feed completed requests back: output lengths, and the char ratio of `none` tokenizers."""
+    if ex.status != 200:
+        return
+    if ex.completion_tokens is not None:
+        rt.output_lengths[model].observe(ex.completion_tokens)
+    if not exact and ex.prompt_tokens and chars:
+        error = rt.counters[model].tokenizer.observe(chars, ex.prompt_tokens)
+        rt.metrics.token_estimate_error.labels(model).observe(abs(error))
+
+
+def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float, forward_start: float) -> None:
     if gone:
         ex.status = 499  # nginx's "client closed request"
     if ex.finished is None:
@@ -174,8 +252,13 @@ def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float) -> None:
         tokens = ex.completion_tokens
         if tokens is None and ex.stream:
             tokens = max(0, ex.sse_events - 2)  # minus the role frame and [DONE]
+        tpot_s = None
         if ex.stream and tokens and tokens > 1:
-            tpot.observe((ex.finished - ex.first_byte) / (tokens - 1))
+            tpot_s = (ex.finished - ex.first_byte) / (tokens - 1)
+            tpot.observe(tpot_s)
+        # The guard watches the engines' latency, without our own queueing in it: otherwise
+        # queueing would read as slowness and shrink the limit that causes the queueing.
+        rt.admission.observe_latency(ex.pool, ex.first_byte - forward_start, tpot_s)
     log_exchange(ex, gone)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.policy import PolicyError, load_policy
+from gateway.policy import Policy, PolicyError, load_policy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,20 +24,19 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(exc.render(), file=sys.stderr)
         return 1
-    serve(policy, args.host, args.port, args.log_level)
+    serve(policy, args.host, args.port, args.log_level, args.redis_url)
     return 0
 
 
-def serve(policy: object, host: str, port: int, log_level: str = "info") -> None:
+def serve(policy: Policy, host: str, port: int, log_level: str = "info",
+          redis_url: str | None = None) -> None:
     import uvicorn
 
     from gateway.accesslog import configure_logging
     from gateway.app import create_app
-    from gateway.policy import Policy
 
-    assert isinstance(policy, Policy)
     configure_logging(log_level)
-    app = create_app(policy)
+    app = create_app(policy, redis_url=redis_url)
     uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools",
                 log_level="warning", access_log=False, lifespan="on",
                 timeout_graceful_shutdown=5, backlog=4096)

@@ -1,10 +1,13 @@
 """Token counting off the event loop, with the character limit checked first.
 
-A 16K-token prompt takes ~10 ms to encode; on the event loop that would stall every stream the
-gateway is relaying. So counts run in a small thread pool. Threads, not processes: the Rust
-encoder releases the GIL (`encode_batch_fast`), the template render that holds it is well under a
-millisecond, and threads share one piece cache, which a process pool would split per worker and
-pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
+A 16K-token prompt takes ~15 ms to encode; on the event loop that would stall every stream the
+gateway is relaying. So encoding runs in a small thread pool: the Rust encoder releases the GIL
+(`encode_batch_fast`) and threads share one piece cache, which a process pool would split per
+worker and pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
+The template render and the cache lookups are Python and hold the GIL wherever they run; run in a
+worker, they make the loop wait for the GIL (up to the 5 ms switch interval). So for prompts up to
+`inline_render_chars` they run on the loop, a bounded sub-millisecond step per request, and only
+new pieces travel to a worker.
 
 The character limit is checked on the loop before anything is queued: it is O(characters) with no
 rendering, and a prompt over it must cost the gateway nothing more than that.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +25,15 @@ from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
 from gateway.cost.estimator import chat_chars
-from gateway.cost.tokenizer import Tokenizer
+from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 
 T = TypeVar("T")
 
 # A prompt of 2M characters is ~500K tokens, beyond any served context window; the policy lowers it.
 DEFAULT_MAX_PROMPT_CHARS = 2_000_000
+# Up to this many characters the template is rendered on the event loop (~0.5 ms per 50K chars of
+# history, measured); longer prompts are rendered in a worker so the loop never stalls for long.
+DEFAULT_INLINE_RENDER_CHARS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +55,19 @@ class TokenCounter:
         self,
         tokenizer: Tokenizer,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-        workers: int = 2,
+        workers: int | None = None,
+        inline_render_chars: int = DEFAULT_INLINE_RENDER_CHARS,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_chars = max_prompt_chars
+        self.inline_render_chars = inline_render_chars
+        self._inline_turn = asyncio.Lock()
         self._own_executor = executor is None
+        if workers is None:
+            # Leave a core to the event loop: a worker that shares its core competes with it for
+            # the CPU as well as the GIL (benchmarks/tokenize_bench.py: 1 vs 2 threads on 2 CPUs).
+            workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self._executor = executor or ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"tokenize-{tokenizer.name}"
         )
@@ -77,8 +91,22 @@ class TokenCounter:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
-        tokens = await self._off_loop(self.tokenizer.count_chat, messages, tools, **template_kwargs)
-        return TokenCount(int(tokens), chars, self.tokenizer.exact)
+        tok = self.tokenizer
+        if isinstance(tok, HFTokenizer) and chars <= self.inline_render_chars:
+            # Render and look up cached pieces here; only the encoding of new pieces (Rust, GIL
+            # released) goes to a worker. A worker thread running Python would hold the GIL, and
+            # the loop would wait up to the 5 ms switch interval to get it back.
+            # One render per loop iteration: requests arriving together would otherwise run
+            # their renders back to back in one iteration, ahead of every timer that fell due.
+            async with self._inline_turn:
+                rendered = tok.render_chat(messages, tools, **template_kwargs)
+                known, misses = tok.split_rendered(rendered)
+                await asyncio.sleep(0)  # hold the turn into the next iteration: others queue
+            if misses:
+                known += await self._off_loop(tok.encode_pieces, misses)
+            return TokenCount(known, chars, True)
+        tokens = await self._off_loop(tok.count_chat, messages, tools, **template_kwargs)
+        return TokenCount(int(tokens), chars, tok.exact)
 
     async def count_chat(
         self,

@@ -25,6 +25,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.cost.errors import TemplateError
@@ -81,6 +82,42 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
+# Names Python resolves as attributes on a dict; any other name on a dict is a key lookup.
+_DICT_ATTRS = frozenset(dir(dict))
+# Public str methods the sandbox allows as they are; format/format_map it wraps, so not these.
+_STR_METHODS = frozenset(a for a in dir(str) if not a.startswith("_")) - {"format", "format_map"}
+
+
+_MISSING = object()
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The same sandbox, with the two lookups chat templates do all the time made cheap.
+
+    `message.content` on a plain dict and `content.startswith` on a str go through attribute
+    lookup, an AttributeError, and the mutability checks: ~2 us each, ~1 ms for a 70-message
+    history. The fast paths return exactly what the sandbox would (a dict key that is not a dict
+    attribute; a public str method the sandbox deems safe) and defer to it for everything else.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRS and attribute in obj:
+            return obj[attribute]
+        if kind is str and attribute in _STR_METHODS:
+            return getattr(obj, attribute)
+        if kind in _DATA_HOLDERS and not attribute.startswith("_"):
+            # `ns.flag`, `loop.index0`: the sandbox allows any public attribute of these; only a
+            # callable value (which it might wrap) takes the full path.
+            value = getattr(obj, attribute, _MISSING)
+            if value is not _MISSING and not callable(value):
+                return value
+        return super().getattr(obj, attribute)
+
+
+_DATA_HOLDERS = frozenset({_TemplateNamespace, jinja2.runtime.LoopContext})
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -105,7 +142,7 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template once; rendering the compiled template is the per-request cost."""
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],

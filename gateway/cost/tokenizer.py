@@ -176,11 +176,20 @@ class HFTokenizer:
 
     def count_rendered(self, text: str) -> int:
         """Tokens of already-rendered text, without special-token additions, through the cache."""
+        known, misses = self.split_rendered(text)
+        return known + self.encode_pieces(misses)
+
+    def split_rendered(self, text: str) -> tuple[int, list[str]]:
+        """Tokens known without encoding (special tokens, cached pieces) and the pieces left.
+
+        Pure Python and cheap for cached text: `TokenCounter` runs it on the event loop and
+        sends only the misses, which are Rust work that releases the GIL, to a worker thread.
+        """
         if self._splitter is None:
-            return len(self._encode_batch([text])[0])
+            return 0, [text] if text else []
         pieces = self._splitter.split(text)
         # re.split with one capture group alternates text, special token, text, ...
-        total = len(pieces) // 2
+        known = len(pieces) // 2
         misses: list[str] = []
         for piece in pieces[::2]:
             if not piece:
@@ -189,15 +198,19 @@ class HFTokenizer:
             if cached is None:
                 misses.append(piece)
             else:
-                total += cached
-        if misses:
-            unique = list(dict.fromkeys(misses))
-            counts = dict(zip(unique, map(len, self._encode_batch(unique)), strict=True))
-            for piece in misses:
-                total += counts[piece]
+                known += cached
+        return known, misses
+
+    def encode_pieces(self, pieces: list[str]) -> int:
+        """Encode pieces (each once), cache their counts, return the total over all occurrences."""
+        if not pieces:
+            return 0
+        unique = list(dict.fromkeys(pieces))
+        counts = dict(zip(unique, self._count_batch(unique), strict=True))
+        if self._splitter is not None:  # without a splitter the piece is the whole, unique text
             for piece, count in counts.items():
                 self.cache.put(piece, count)
-        return total
+        return sum(counts[piece] for piece in pieces)
 
     def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -209,11 +222,11 @@ class HFTokenizer:
         """Exact counts need no learning, but a non-zero error means the template drifted."""
         return 0.0
 
-    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def _count_batch(self, texts: list[str]) -> list[int]:
         # encode_batch_fast releases the GIL for the whole Rust call and skips offsets; the
-        # single-text `encode` holds the GIL, which would stall the event loop thread.
-        encodings = self._rust.encode_batch_fast(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
+        # single-text `encode` holds the GIL, which would stall the event loop thread. len() of
+        # an Encoding avoids building a Python list of every id.
+        return [len(e) for e in self._rust.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def _special_splitter(rust: RustTokenizer) -> re.Pattern[str] | None:

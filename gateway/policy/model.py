@@ -109,6 +109,35 @@ class BackendSpec(Strict):
         return value.rstrip("/")
 
 
+class Learned(Strict):
+    """Thresholds written by `loadtest calibrate`, with where they came from."""
+
+    kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None
+    inflight_tokens_max: PositiveInt | None = None
+    waiting_max: Annotated[int, Field(ge=0)] | None = None
+    provenance: dict[str, str | int | float | None] | None = None
+
+
+class AdmissionSpec(Strict):
+    """When a pool takes a request now, queues it, or turns it away.
+
+    A value written here wins over the `learned` one; with neither, the default applies.
+    """
+
+    enabled: bool = True
+    kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None  # default 0.9
+    inflight_tokens_max: PositiveInt | None = None  # default: no limit beyond KV
+    waiting_max: Annotated[int, Field(ge=0)] | None = None  # engine queue; default: not used
+    ttft_p99_max_s: PositiveFloat | None = None  # latency guard; off when unset
+    tpot_p99_max_s: PositiveFloat | None = None
+    latency_window_s: PositiveFloat = 30.0
+    queue_size: Annotated[int, Field(ge=0)] = 256
+    queue_wait_max_s: Annotated[float, Field(ge=0)] = 10.0
+    lease_ttl_s: PositiveFloat = 30.0
+    fail_mode: Literal["open", "closed"] = "open"  # when the state backend is unreachable
+    learned: Learned | None = None
+
+
 class PoolSpec(Strict):
     engine: Literal["vllm", "sglang", "openai"] = "vllm"
     models: Annotated[list[str], Field(min_length=1)]
@@ -121,6 +150,18 @@ class PoolSpec(Strict):
     tp: PositiveInt = 1
     block_size: PositiveInt = 16
     max_tokens_default: PositiveInt | None = None
+    # KV blocks per backend when the engine does not publish vllm:cache_config_info;
+    # unset: computed from the model's architecture, `gpu` and `tp` (the planner's ledger).
+    kv_blocks: PositiveInt | None = None
+    # Prompt-token range this pool takes, e.g. a long-context pool with prompt_tokens_min 8192.
+    prompt_tokens_min: Annotated[int, Field(ge=0)] = 0
+    prompt_tokens_max: PositiveInt | None = None
+    # When this pool has no healthy backend: send its requests to another pool, at most
+    # `overflow_max_concurrent` at a time there (long prefills stall chat decode), or, unset,
+    # reject them with 503.
+    overflow_to: str | None = None
+    overflow_max_concurrent: PositiveInt = 2
+    admission: AdmissionSpec = AdmissionSpec()
 
     @field_validator("backends")
     @classmethod
@@ -143,6 +184,12 @@ class PoolSpec(Strict):
         if self.health_path:
             return self.health_path
         return "/v1/models" if self.engine == "openai" else "/health"
+
+
+class SignalsSpec(Strict):
+    scrape_interval_s: PositiveFloat = 1.0  # engines' /metrics
+    scrape_timeout_s: PositiveFloat = 1.0
+    metrics_max_age_s: PositiveFloat = 5.0  # older samples count as unknown
 
 
 class Defaults(Strict):
@@ -178,6 +225,7 @@ class Policy(Strict):
     server: ServerSpec = ServerSpec()
     upstream: UpstreamSpec = UpstreamSpec()
     health: HealthSpec = HealthSpec()
+    signals: SignalsSpec = SignalsSpec()
 
     def rule_errors(self) -> list[tuple[str, str]]:
         """Rules across keys, as (path, message); pydantic checks each key on its own."""
@@ -188,6 +236,16 @@ class Policy(Strict):
                 errors.append((f"models[{i}].name", f"duplicate model name {m.name!r}"))
             names.add(m.name)
         for pool_name, pool in self.pools.items():
+            if pool.overflow_to is not None and pool.overflow_to not in self.pools:
+                errors.append((f"pools.{pool_name}.overflow_to",
+                               f"unknown pool {pool.overflow_to!r}"))
+            if pool.overflow_to == pool_name:
+                errors.append((f"pools.{pool_name}.overflow_to", "a pool cannot overflow "
+                               "to itself"))
+            if pool.prompt_tokens_max is not None \
+                    and pool.prompt_tokens_max <= pool.prompt_tokens_min:
+                errors.append((f"pools.{pool_name}.prompt_tokens_max",
+                               "must be greater than prompt_tokens_min"))
             for j, model in enumerate(pool.models):
                 if model not in names:
                     errors.append((f"pools.{pool_name}.models[{j}]",

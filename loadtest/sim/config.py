@@ -76,7 +76,8 @@ class SimConfig:
             raise ConfigError(f"--time-scale: must be positive, got {self.time_scale}")
         if self.prefix_hash_block_size <= 0 or self.prefix_hash_block_size % self.block_size:
             raise ConfigError(f"--prefix-hash-block-size: must be a positive multiple of "
-                              f"--block-size ({self.block_size}), got {self.prefix_hash_block_size}")
+                              f"--block-size ({self.block_size}), "
+                              f"got {self.prefix_hash_block_size}")
         kv_dtype = "bf16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         default_batched, default_seqs = vllm_batch_defaults(gpu)
         max_num_seqs = _positive("--max-num-seqs", self.max_num_seqs, default_seqs)
@@ -148,7 +149,8 @@ class EngineSpec:
     seed: int
 
     def describe(self) -> str:
-        return (f"{self.model.name} {self.dtype} (KV {self.kv_dtype}) on {self.tp}x{self.gpu.name}: "
+        return (f"{self.model.name} {self.dtype} (KV {self.kv_dtype}) "
+                f"on {self.tp}x{self.gpu.name}: "
                 f"{self.num_gpu_blocks} blocks x {self.block_size} = "
                 f"{self.num_gpu_blocks * self.block_size} KV tokens, max_model_len "
                 f"{self.max_model_len}, max_num_seqs {self.max_num_seqs}, "

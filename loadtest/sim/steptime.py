@@ -6,6 +6,9 @@ real forward pass runs one after the other, each bound by compute or memory, whi
   dense GEMMs   one GEMM over all T tokens of the step (prefill chunks and decodes together):
                 max(2 x params x T / TP over peak FLOPs x GEMM_EFFICIENCY,
                     weight bytes per GPU over HBM bandwidth x HBM_EFFICIENCY)
+  elementwise   norms, RoPE, residual adds, SiLU x gate between the GEMMs: memory bound,
+                ACTIVATION_PASSES_HIDDEN passes over the 16-bit hidden state (full width on every
+                rank) and ACTIVATION_PASSES_MLP over this rank's MLP slice, per token per layer
   attention     per sequence, FlashAttention-style: max(QK^T + AV FLOPs of its new tokens
                 against its whole context over peak x ATTENTION_EFFICIENCY,
                 its KV bytes (context + new) per GPU over HBM bandwidth x HBM_EFFICIENCY)
@@ -31,15 +34,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.profiles import GpuProfile, ModelProfile, dtype_bytes
+from gateway.profiles import GpuProfile, ModelProfile
 
 # Fraction of the dense tensor-core peak the prefill GEMMs reach (cuBLAS/CUTLASS on Hopper reach
 # 60-70% on large shapes, less on the narrow per-rank shapes of high TP).
 GEMM_EFFICIENCY = 0.60
 # Fraction of the BF16 peak FlashAttention reaches in prefill (FA2 ~35-50%, FA3 ~55-75% on H100).
 ATTENTION_EFFICIENCY = 0.50
-# Fraction of datasheet HBM bandwidth that decode's weight and KV streaming sustains.
-HBM_EFFICIENCY = 0.70
+# Fraction of datasheet HBM bandwidth that decode's weight and KV streaming sustains (skinny
+# GEMMs at batch <= 64 and paged-attention gathers reach 55-70% of peak; STREAM-like copies 80-90%).
+HBM_EFFICIENCY = 0.60
+# Reads and writes of activations per token per layer outside the GEMMs, after the usual fusions
+# (add+RMSNorm, SiLU x mul): about 10 passes over the hidden state and 4 over the MLP slice.
+ACTIVATION_PASSES_HIDDEN = 10
+ACTIVATION_PASSES_MLP = 4
 # Fraction of NVLink per-direction bandwidth a ring all-reduce reaches as bus bandwidth.
 NVLINK_EFFICIENCY = 0.70
 # Launch plus synchronisation of one small all-reduce (vLLM's custom all-reduce / NCCL LL).
@@ -54,13 +62,15 @@ ACTIVATION_BYTES = 2
 @dataclass(frozen=True, slots=True)
 class StepTime:
     gemm_s: float
+    elementwise_s: float
     attention_s: float
     allreduce_s: float
     overhead_s: float
 
     @property
     def total_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.allreduce_s + self.overhead_s
+        return (self.gemm_s + self.elementwise_s + self.attention_s + self.allreduce_s
+                + self.overhead_s)
 
 
 class StepTimeModel:
@@ -84,6 +94,9 @@ class StepTimeModel:
         # for this rank's share of the query heads, in every layer.
         heads_per_rank = max(1, model.num_attention_heads // tp)
         self._attn_flops_per_pair = 4.0 * model.num_layers * heads_per_rank * model.head_dim
+        self._activation_bytes_per_token = model.num_layers * ACTIVATION_BYTES * (
+            ACTIVATION_PASSES_HIDDEN * model.hidden_size
+            + ACTIVATION_PASSES_MLP * model.intermediate_size / tp)
         self._collectives = 2 * model.num_layers if tp > 1 else 0
         link = gpu.interconnect_gb_s * 1e9 * NVLINK_EFFICIENCY
         self._allreduce_s_per_token = (
@@ -110,16 +123,17 @@ class StepTimeModel:
             attention_s += max(self._attn_flops_per_pair * pairs / self._attn_flops_per_s,
                                (context + new) * self._kv_bytes_per_token / self._hbm_bytes_per_s)
         if sequences == 0:
-            return StepTime(0.0, 0.0, 0.0, 0.0)
+            return StepTime(0.0, 0.0, 0.0, 0.0, 0.0)
         if decode_kv_tokens:
             attention_s += max(self._attn_flops_per_pair * decode_pairs / self._attn_flops_per_s,
                                decode_kv_tokens * self._kv_bytes_per_token / self._hbm_bytes_per_s)
         gemm_s = max(self._dense_flops_per_token * tokens / self._gemm_flops_per_s,
                      self._weight_bytes / self._hbm_bytes_per_s)
+        elementwise_s = tokens * self._activation_bytes_per_token / self._hbm_bytes_per_s
         allreduce_s = self._collectives * (ALLREDUCE_LATENCY_S
                                            + tokens * self._allreduce_s_per_token)
         overhead_s = STEP_OVERHEAD_S + PER_SEQUENCE_OVERHEAD_S * sequences
-        return StepTime(gemm_s, attention_s, allreduce_s, overhead_s)
+        return StepTime(gemm_s, elementwise_s, attention_s, allreduce_s, overhead_s)
 
     def decode_step_s(self, batch: int, context: int) -> float:
         """Step time of `batch` decodes at `context` tokens each (for docs and planning)."""
@@ -128,8 +142,3 @@ class StepTimeModel:
     def prefill_s(self, tokens: int) -> float:
         """Time of one step that prefills `tokens` fresh tokens of one sequence."""
         return self.step([(tokens, 0)]).total_s
-
-
-def kv_bytes(model: ModelProfile, tokens: int, kv_dtype: str = "bf16") -> float:
-    return tokens * 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes(
-        kv_dtype)

@@ -1,0 +1,1 @@
+"""What the gateway observes: engines' own metrics, and latency as callers feel it."""
