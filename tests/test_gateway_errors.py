@@ -134,7 +134,12 @@ def test_trickled_body_times_out_408(start_sim: StartSim, start_gateway: StartGa
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
                       b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
             started = time.monotonic()
-            reply = s.recv(65536)
+            reply = b""
+            while b"request_timeout" not in reply and time.monotonic() - started < 5:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
             elapsed = time.monotonic() - started
         assert reply.startswith(b"HTTP/1.1 408")
         assert b'"code":"request_timeout"' in reply
@@ -176,3 +181,38 @@ def test_rejections_leave_nothing_in_flight(gw: Server) -> None:
     assert metric(s, "gateway_inflight_requests") == 0
     assert metric(s, "gateway_requests_total", status="400") >= 1
     assert metric(s, "gateway_requests_total", status="404") >= 1
+
+
+def test_upstream_5xx_becomes_502_naming_the_backend(start_sim: StartSim,
+                                                     start_gateway: StartGateway) -> None:
+    with start_sim("--fail-rate", "1.0") as sim, start_gateway(policy_yaml([sim.url])) as gw:
+        c = OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            c.chat.completions.create(model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
+        assert err.value.status_code == 502
+        assert err.value.response.headers["x-gateway-backend"] == "e0"
+        assert "The engine `e0` failed with HTTP 500" in err.value.message
+        s = scrape(gw.url)
+        assert metric(s, "gateway_upstream_errors_total", kind="status_5xx") == 1
+        assert metric(s, "gateway_kv_blocks_reserved") == 0
+
+
+def test_stream_broken_mid_way_ends_with_sse_error(start_sim: StartSim,
+                                                   start_gateway: StartGateway) -> None:
+    with start_sim("--drop-rate", "1.0", "--drop-after-tokens", "3") as sim, \
+            start_gateway(policy_yaml([sim.url])) as gw:
+        c = OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                           max_tokens=50, stream=True,
+                                           extra_body={"ignore_eos": True})
+        got = 0
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                got += 1
+        assert got >= 1
+        assert "broke off the stream" in err.value.message
+        s = scrape(gw.url)
+        assert metric(s, "gateway_upstream_errors_total", kind="disconnect") == 1
+        assert metric(s, "gateway_requests_total", status="502") == 1
+        assert metric(s, "gateway_inflight_requests") == 0
+        assert metric(s, "gateway_kv_blocks_reserved") == 0

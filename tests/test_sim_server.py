@@ -30,7 +30,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = loadtest_cmd("sim", "--model", MODEL, "--gpu", "h100-sxm-80gb", "--tp", "8",
                         "--num-gpu-blocks", "128", "--max-num-seqs", "2",
                         "--max-model-len", "2048", "--max-num-queued-reqs", "6",
-                        "--time-scale", "0.5", "--seed", "1", "--port", "{port}")
+                        "--time-scale", "0.5", "--seed", "3", "--port", "{port}")
     with run_server(args, "/health", tmp_path_factory.mktemp("sim"), "sim") as server:
         yield server
 
@@ -185,7 +185,8 @@ def test_kv_usage_rises_and_blocks_running_out_cause_preemption(sim: Server) -> 
 
     async def scenario() -> list[float]:
         # Two sequences of ~700 prompt + 400 output tokens need ~2200 KV tokens; there are 2048.
-        tasks = [asyncio.create_task(_stream_tokens(sim, LONG + str(i), 400)) for i in range(2)]
+        # Distinct first words, so prefix caching cannot share their blocks.
+        tasks = [asyncio.create_task(_stream_tokens(sim, f"{i} {LONG}", 400)) for i in range(2)]
         usage = []
         while not all(t.done() for t in tasks):
             usage.append((await asyncio.to_thread(metrics, sim))["vllm:kv_cache_usage_perc"])
@@ -268,11 +269,11 @@ def test_metrics_parse_and_carry_vllm_names(sim: Server) -> None:
      "max_tokens", "fractional part"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2040},
      "max_tokens", "'max_tokens' or 'max_completion_tokens' is too large: 2040. This model's "
-     "maximum context length is 2048 tokens and your request has 10 input tokens "
-     "(2040 > 2048 - 10)."),
+     "maximum context length is 2048 tokens and your request has 9 input tokens "
+     "(2040 > 2048 - 9)."),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]},
      "messages", "This model's maximum context length is 2048 tokens. However, your request "
-     "has 3010 input tokens."),
+     "has 3009 input tokens."),
 ])
 def test_bad_input_gets_vllms_400(sim: Server, body: dict[str, Any], param: str,
                                   message: str) -> None:

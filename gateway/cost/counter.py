@@ -4,10 +4,11 @@ A 16K-token prompt takes ~15 ms to encode; on the event loop that would stall ev
 gateway is relaying. So encoding runs in a small thread pool: the Rust encoder releases the GIL
 (`encode_batch_fast`) and threads share one piece cache, which a process pool would split per
 worker and pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
-The template render and the cache lookups are Python and hold the GIL wherever they run; run in a
-worker, they make the loop wait for the GIL (up to the 5 ms switch interval). So for prompts up to
-`inline_render_chars` they run on the loop, a bounded sub-millisecond step per request, and only
-new pieces travel to a worker.
+The template render and cache lookups (~0.7 ms for a 16K-token history) are Python and hold the
+GIL in the worker; the loop can wait for it up to the interpreter's switch interval (5 ms by
+default), so the server should lower it (`sys.setswitchinterval(0.001)`). Rendering on the loop
+instead was measured too: requests arriving together then render back to back in one loop
+iteration, which is worse.
 
 The character limit is checked on the loop before anything is queued: it is O(characters) with no
 rendering, and a prompt over it must cost the gateway nothing more than that.
@@ -25,15 +26,12 @@ from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
 from gateway.cost.estimator import chat_chars
-from gateway.cost.tokenizer import HFTokenizer, Tokenizer
+from gateway.cost.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
 # A prompt of 2M characters is ~500K tokens, beyond any served context window; the policy lowers it.
 DEFAULT_MAX_PROMPT_CHARS = 2_000_000
-# Up to this many characters the template is rendered on the event loop (~0.5 ms per 50K chars of
-# history, measured); longer prompts are rendered in a worker so the loop never stalls for long.
-DEFAULT_INLINE_RENDER_CHARS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +54,10 @@ class TokenCounter:
         tokenizer: Tokenizer,
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         workers: int | None = None,
-        inline_render_chars: int = DEFAULT_INLINE_RENDER_CHARS,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_chars = max_prompt_chars
-        self.inline_render_chars = inline_render_chars
-        self._inline_turn = asyncio.Lock()
         self._own_executor = executor is None
         if workers is None:
             # Leave a core to the event loop: a worker that shares its core competes with it for
@@ -92,19 +87,6 @@ class TokenCounter:
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
-        if isinstance(tok, HFTokenizer) and chars <= self.inline_render_chars:
-            # Render and look up cached pieces here; only the encoding of new pieces (Rust, GIL
-            # released) goes to a worker. A worker thread running Python would hold the GIL, and
-            # the loop would wait up to the 5 ms switch interval to get it back.
-            # One render per loop iteration: requests arriving together would otherwise run
-            # their renders back to back in one iteration, ahead of every timer that fell due.
-            async with self._inline_turn:
-                rendered = tok.render_chat(messages, tools, **template_kwargs)
-                known, misses = tok.split_rendered(rendered)
-                await asyncio.sleep(0)  # hold the turn into the next iteration: others queue
-            if misses:
-                known += await self._off_loop(tok.encode_pieces, misses)
-            return TokenCount(known, chars, True)
         tokens = await self._off_loop(tok.count_chat, messages, tools, **template_kwargs)
         return TokenCount(int(tokens), chars, tok.exact)
 

@@ -96,7 +96,7 @@ def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
     for item in itertools.islice(backlog, concurrency):
         heapq.heappush(heap, (0.0, next(seq), item))
 
-    traces: dict[int, RequestTrace] = {}
+    traces: dict[str, RequestTrace] = {}  # by request id (id() of a freed request is reused)
     now = 0.0
     peak_usage = 0.0
     peak_running = peak_waiting = 0
@@ -107,7 +107,7 @@ def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
                 request_id=str(n), prompt_tokens=item.prompt_tokens,
                 max_tokens=item.output_tokens, target_tokens=item.output_tokens,
                 arrival_time=at, prompt_hashes=item.prompt_hashes, salt=n)
-            traces[id(request)] = RequestTrace(item, at)
+            traces[request.request_id] = RequestTrace(item, at)
             core.add(request)
         step = core.begin_step(now)
         if step is None:
@@ -121,9 +121,9 @@ def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
         now += step.duration_s
         events = core.finish_step(step, now)
         for request in events.emitted:
-            traces[id(request)].token_times.append(now)
+            traces[request.request_id].token_times.append(now)
         for request in events.finished:
-            trace = traces[id(request)]
+            trace = traces[request.request_id]
             trace.preemptions = request.num_preemptions
             trace.queued_s = (request.first_scheduled_time or now) - request.arrival_time
             nxt = next(backlog, None)
