@@ -89,6 +89,13 @@ class GatewayApp:
         sig = self.policy.signals
         targets = [(b.pool, b.name, b.url + "/metrics", self.policy.pools[b.pool].engine)
                    for b in rt.backends.all() if self.policy.pools[b.pool].engine != "openai"]
+        # One scrape before serving: capacities come from the engines, not the ledger, from
+        # the first request on.
+        await asyncio.gather(*(rt.scraper.scrape(session, pool, name, url, engine,
+                                                 sig.scrape_timeout_s)
+                               for pool, name, url, engine in targets))
+        for (pool, name), sample in rt.scraper.samples.items():
+            rt.admission.on_engine_sample(pool, name, sample)
         tasks = [asyncio.create_task(rt.backends.run_prober(session), name="health-prober"),
                  asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag"),
                  asyncio.create_task(rt.admission.run(), name="admission"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.cost import RequestCost, RequestCostError, estimate
+from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate, openai_messages
 from gateway.policy import ModelSpec
 from gateway.profiles import ModelProfile, get_model
 from gateway.protocol import ChatCompletionRequest, InvalidRequest, ParsedRequest
@@ -43,13 +43,16 @@ async def count_prompt(rt: Runtime, model: ModelSpec, data: dict[str, Any],
     try:
         if isinstance(parsed, ChatCompletionRequest):
             kwargs = data.get("chat_template_kwargs")
-            tc = await counter.measure_chat(data["messages"], data.get("tools"),
+            # vLLM's normalisation first (null content, text parts, tool-call arguments), so
+            # the count is the engine's count.
+            tc = await counter.measure_chat(openai_messages(data["messages"]), data.get("tools"),
                                             **(kwargs if isinstance(kwargs, dict) else {}))
             return tc.tokens, 1, tc.exact, tc.chars
         counts = await counter.measure_prompt(data["prompt"])
     except RequestCostError as exc:
         raise InvalidRequest(str(exc), param=exc.param,
-                             code="prompt_too_long" if "limit" in str(exc) else None) from None
+                             code="prompt_too_long" if isinstance(exc, PromptTooLong)
+                             else "invalid_value") from None
     return (max(c.tokens for c in counts), len(counts), all(c.exact for c in counts),
             sum(c.chars for c in counts))
 

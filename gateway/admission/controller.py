@@ -318,10 +318,12 @@ class Admission:
             deadline = min(deadline, ask.deadline_s)
         ahead = ps.queue.work_ahead(ask.priority, ask.caller)
         predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
-        if spec.queue_size == 0 or deadline <= 0 or predicted > deadline:
-            self._count(ps.name, "rejected", reason if spec.queue_size == 0 or deadline <= 0
-                        else "predicted_wait")
+        if spec.queue_size == 0 or deadline <= 0:
+            self._count(ps.name, "rejected", reason)
             raise self._overloaded(ps, reason, predicted, deadline)
+        if predicted > deadline:
+            self._count(ps.name, "rejected", "predicted_wait")
+            raise self._overloaded(ps, reason, predicted, deadline, "predicted_wait")
         loop = asyncio.get_running_loop()
         now = self.clock()
         waiter = Waiter(ask.priority, ask.caller, ask.tokens, now, now + deadline,
@@ -329,17 +331,17 @@ class Admission:
         out = ps.queue.push(waiter)
         if out is waiter:
             self._count(ps.name, "rejected", "queue_full")
-            raise self._overloaded(ps, "queue_full", predicted, deadline)
+            raise self._overloaded(ps, reason, predicted, deadline, "queue_full")
         if out is not None:
             self._count(ps.name, "rejected", "shed")
-            out.future.set_exception(self._overloaded(ps, "shed", predicted, deadline))
+            out.future.set_exception(self._overloaded(ps, reason, predicted, deadline, "shed"))
         self._publish_queue(ps)
         try:
             async with asyncio.timeout(deadline):
                 ticket_reason = await waiter.future
         except TimeoutError:
             self._count(ps.name, "rejected", "queue_timeout")
-            raise self._overloaded(ps, "queue_timeout", predicted, deadline) from None
+            raise self._overloaded(ps, reason, predicted, deadline, "queue_timeout") from None
         except BaseException:
             # Cancelled (the caller left) just as the dispatcher reserved for it: give it back.
             if waiter.ticket is not None:
@@ -358,21 +360,28 @@ class Admission:
         self._count(ps.name, "queued", reason)
         return ticket
 
-    def _overloaded(self, ps: PoolState, reason: str, predicted: float,
-                    deadline: float) -> Overloaded:
+    def _overloaded(self, ps: PoolState, cause: str, predicted: float, deadline: float,
+                    outcome: str | None = None) -> Overloaded:
+        """503 saying what is full (`cause`) and, if it got that far, why waiting won't do."""
         retry = max(1, math.ceil(predicted if predicted > 0 else min(deadline, 5.0) or 1))
-        words = {
+        full = {
             "kv_blocks": "its engines' KV cache is at the admission limit",
             "inflight_tokens": "its in-flight token limit is reached",
             "engine_waiting": "its engines are already queueing requests",
-            "predicted_wait": f"the predicted wait ({predicted:.1f}s) exceeds the queue "
+        }.get(cause, cause)
+        then = {
+            None: "",
+            "predicted_wait": f", and the predicted wait ({predicted:.1f}s) exceeds the queue "
                               f"deadline ({deadline:g}s)",
-            "queue_full": "its queue is full",
-            "shed": "a request of higher priority took this one's place in the queue",
-            "queue_timeout": f"no capacity freed up within the queue deadline ({deadline:g}s)",
-        }.get(reason, reason)
-        return Overloaded(f"Pool `{ps.name}` is at capacity: {words}. Retry after {retry}s.",
-                          headers={"retry-after": str(retry), "x-gateway-reason": reason})
+            "queue_full": ", and its queue is full",
+            "shed": ", and a request of higher priority took this one's place in the queue",
+            "queue_timeout": f", and no capacity freed up within the queue deadline "
+                             f"({deadline:g}s)",
+        }[outcome]
+        return Overloaded(f"Pool `{ps.name}` is at capacity: {full}{then}. Retry after "
+                          f"{retry}s.",
+                          headers={"retry-after": str(retry),
+                                   "x-gateway-reason": outcome or cause})
 
     async def drain(self, ps: PoolState) -> None:
         """Admit waiters in order while they fit; called on every release and on a tick."""

@@ -167,8 +167,9 @@ class SimApp:
                 continue
             now = loop.time()
             step = core.begin_step(now)
-            if step is None:  # everything left was aborted
+            if step is None:  # everything left was aborted (or, defensively, cannot run yet)
                 self.metrics.observe_state(core)
+                await asyncio.sleep(0.001 if core.has_work else 0)
                 continue
             # The deadline counts from the step's start, so the CPU time spent handing out
             # the previous step's tokens is part of this step, not added to it.

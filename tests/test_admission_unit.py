@@ -1,0 +1,255 @@
+"""Admission decisions as plain code: no server, a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
+from gateway.admission.guard import LatencyGuard
+from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
+from gateway.backends import Backends
+from gateway.metrics import GatewayMetrics
+from gateway.policy import parse_policy
+from gateway.routing import Router
+from gateway.signals.engines import EngineScraper, parse_engine_metrics
+from gateway.signals.quantiles import WindowedQuantiles
+from gateway.state import MemoryState
+
+POLICY = """
+models:
+  - {name: m, architecture: llama-3-8b}
+pools:
+  default:
+    models: [m]
+    max_model_len: 8192
+    kv_blocks: 100
+    prompt_tokens_max: 4096
+    admission: {kv_usage_max: 1.0, queue_size: 2, queue_wait_max_s: 5}
+    backends:
+      - {name: a, url: "http://127.0.0.1:1"}
+  long:
+    models: [m]
+    max_model_len: 65536
+    kv_blocks: 1000
+    prompt_tokens_min: 4096
+    overflow_to: default
+    overflow_max_concurrent: 1
+    backends:
+      - {name: l, url: "http://127.0.0.1:2"}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy_text: str = POLICY) -> tuple[Admission, Clock, Backends]:
+    policy = parse_policy(policy_text)
+    clock = Clock()
+    metrics = GatewayMetrics()
+    backends = Backends(policy, metrics, clock)
+    admission = Admission(policy, backends, MemoryState(clock), metrics, EngineScraper(5, clock),
+                          clock)
+    return admission, clock, backends
+
+
+def test_admits_until_blocks_run_out_then_rejects_without_queue_room() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        t1 = await adm.admit(Ask("default", 60, 960))
+        t2 = await adm.admit(Ask("default", 40, 640))
+        assert (t1.decision, t2.decision) == ("admitted", "admitted")
+        assert adm.pools["default"].reserved["a"] == 100
+        # Nothing drains yet: two wait (the queue holds 2), the third is refused at once.
+        w1 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
+        w2 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 10, 160))
+        assert err.value.headers["x-gateway-reason"] == "queue_full"
+        assert int(err.value.headers["retry-after"]) >= 1
+        await adm.release(t1)  # frees 60 blocks: both waiters fit
+        r1, r2 = await asyncio.gather(w1, w2)
+        assert (r1.decision, r2.decision) == ("queued", "queued")
+        for t in (t2, r1, r2):
+            await adm.release(t)
+        assert adm.pools["default"].reserved["a"] == 0
+        assert len(adm.pools["default"].queue) == 0
+
+    asyncio.run(go())
+
+
+def test_predicted_wait_over_deadline_is_rejected_early() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        held = await adm.admit(Ask("default", 100, 1600))
+        adm.pools["default"].drain_rate = 100.0  # tokens/s: 1,600 tokens take 16 s > 5 s
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 10, 1600))
+        assert err.value.headers["x-gateway-reason"] == "predicted_wait"
+        assert int(err.value.headers["retry-after"]) == 16
+        assert "KV cache is at the admission limit" in err.value.message
+        assert "predicted wait (16.0s) exceeds the queue deadline (5s)" in err.value.message
+        await adm.release(held)
+
+    asyncio.run(go())
+
+
+def test_client_deadline_shorter_than_policy() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        held = await adm.admit(Ask("default", 100, 1600))
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 10, 160, deadline_s=0.05))
+        assert err.value.headers["x-gateway-reason"] == "queue_timeout"
+        assert len(adm.pools["default"].queue) == 0
+        await adm.release(held)
+
+    asyncio.run(go())
+
+
+def test_cancelled_waiter_leaves_queue_and_holds_nothing() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        held = await adm.admit(Ask("default", 100, 1600))
+        waiter = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
+        await asyncio.sleep(0)
+        assert len(adm.pools["default"].queue) == 1
+        waiter.cancel()  # the caller disconnected while queued
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert len(adm.pools["default"].queue) == 0
+        await adm.release(held)
+        assert adm.pools["default"].reserved["a"] == 0
+
+    asyncio.run(go())
+
+
+def test_sheddable_waiter_is_pushed_out_by_critical() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        held = await adm.admit(Ask("default", 100, 1600))
+        shed = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
+                                                   priority=PRIORITIES["sheddable"])))
+        std = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
+        await asyncio.sleep(0)
+        crit = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
+                                                   priority=PRIORITIES["critical"])))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as err:
+            await shed
+        assert err.value.headers["x-gateway-reason"] == "shed"
+        await adm.release(held)
+        first, second = await asyncio.gather(crit, std)
+        for t in (first, second):
+            await adm.release(t)
+
+    asyncio.run(go())
+
+
+def test_fair_queue_orders_by_priority_then_served_tokens() -> None:
+    loop = asyncio.new_event_loop()
+    q = FairQueue(10)
+
+    def w(priority: str, caller: str) -> Waiter:
+        return Waiter(PRIORITIES[priority], caller, 100, 0.0, 10.0, loop.create_future())
+
+    heavy = w("standard", "heavy")
+    light = w("standard", "light")
+    shed = w("sheddable", "light")
+    crit = w("critical", "heavy")
+    for x in (heavy, shed, light, crit):
+        q.push(x)
+    assert q.ordered() == [crit, heavy, light, shed]  # equal counters: first come first
+    q.charge("heavy", 5000)  # heavy's earlier requests were served 5,000 tokens
+    assert q.ordered() == [crit, light, heavy, shed]
+    # A newcomer starts at the lowest counter among those waiting: idling earns no credit.
+    q.push(w("standard", "newcomer"))
+    assert q.served["newcomer"] == q.served["light"]
+    loop.close()
+
+
+def test_latency_guard_cuts_and_recovers() -> None:
+    g = LatencyGuard(ceiling=10_000, floor=500)
+    g.update(0.0, ttft_p99=3.0, tpot_p99=0.02, ttft_max=2.0, tpot_max=0.06, samples=100)
+    assert g.limit == pytest.approx(7000) and g.state == "red"
+    g.update(1.0, 3.0, 0.02, 2.0, 0.06, 100)  # held: one slow window is punished once
+    assert g.limit == pytest.approx(7000)
+    g.update(6.0, 1.0, 0.08, 2.0, 0.06, 100)  # TPOT now over
+    assert g.limit == pytest.approx(4900)
+    for i in range(100):
+        g.update(7.0 + i, 1.0, 0.02, 2.0, 0.06, 100)
+    assert g.limit == 10_000 and g.state == "green"
+    g.update(200.0, 9.0, 9.0, 2.0, 0.06, 5)  # too few samples to judge
+    assert g.limit == 10_000
+
+
+def test_windowed_quantiles_follow_the_window() -> None:
+    clock = Clock()
+    q = WindowedQuantiles(window_s=10, clock=clock)
+    for i in range(1000):
+        q.observe(0.010 if i % 100 else 2.0)
+    p99 = q.quantile(0.99)
+    assert p99 is not None and 0.0095 <= p99 <= 0.0106
+    assert q.quantile(0.999) == pytest.approx(2.0, rel=0.05)
+    clock.now += 11  # the window moved past every sample
+    assert q.quantile(0.99) is None
+
+
+def test_router_long_prompts_and_overflow() -> None:
+    adm, _, backends = make()
+    router = Router(adm.policy, backends)
+    model = router.model("m")
+    assert router.route(model, 100, 100).pool == "default"
+    assert router.route(model, 5000, 100).pool == "long"
+    # 10K prompt + 100 fits only the long pool's context.
+    assert router.route(model, 10_000, 100).pool == "long"
+    backends.pools["long"][0].probe_ok = False  # the long pool goes down
+    route = router.route(model, 5000, 100)
+    assert (route.pool, route.overflow) == ("default", True)
+
+
+def test_overflow_is_capped() -> None:
+    async def go() -> None:
+        adm, _, _ = make()
+        t = await adm.admit(Ask("default", 10, 5000, overflow=True))
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 10, 5000, overflow=True))
+        assert "overflowed long request" in err.value.message
+        await adm.release(t)
+        t2: Ticket = await adm.admit(Ask("default", 10, 5000, overflow=True))
+        await adm.release(t2)
+
+    asyncio.run(go())
+
+
+def test_engine_metrics_parse_vllm_and_sglang() -> None:
+    vllm = """# HELP vllm:num_requests_waiting x
+vllm:num_requests_running{model_name="m"} 3.0
+vllm:num_requests_waiting{model_name="m"} 7.0
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
+"""
+    s = parse_engine_metrics(vllm, "vllm", 1.0)
+    assert (s.running, s.waiting, s.kv_usage, s.num_gpu_blocks, s.block_size) == \
+        (3.0, 7.0, 0.42, 2048, 16)
+    sg = parse_engine_metrics("sglang:num_queue_reqs 2\nsglang:token_usage 0.5\n"
+                              "sglang:num_running_reqs 4\n", "sglang", 1.0)
+    assert (sg.running, sg.waiting, sg.kv_usage) == (4.0, 2.0, 0.5)
+
+
+def test_stale_engine_sample_is_unknown() -> None:
+    adm, clock, _ = make(POLICY.replace("queue_size: 2", "queue_size: 2, waiting_max: 1"))
+    adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+        'vllm:num_requests_waiting{model_name="m"} 9\n', "vllm", clock.now)
+    assert adm._engine_full(adm.pools["default"], "a")
+    clock.now += 6  # older than metrics_max_age_s (5 s): unknown, not "full" nor "idle"
+    assert adm.scraper.fresh("default", "a") is None
+    assert not adm._engine_full(adm.pools["default"], "a")
