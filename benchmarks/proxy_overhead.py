@@ -459,7 +459,7 @@ async def retried(args: argparse.Namespace, label: str,
             result.attempts = attempt
             return result
         print(f"  {label}: disturbed ({result.usage.show()}), measuring again", flush=True)
-        await asyncio.sleep(2.0)  # let the other work pass
+        await asyncio.sleep(args.retry_pause_s)  # let the other work pass
 
 
 async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
@@ -631,6 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="info keeps the access log on, as deployed (it goes to a file)")
     p.add_argument("--retries", type=int, default=2,
                    help="measure again when other work disturbed a measurement")
+    p.add_argument("--retry-pause-s", type=float, default=5.0)
     p.add_argument("--max-other", type=float, default=0.15,
                    help="other processes' CPU (share of a core) that makes a run noisy")
     p.add_argument("--max-wait", type=float, default=0.02,

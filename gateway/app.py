@@ -41,9 +41,10 @@ LAG_INTERVAL_S = 0.1
 
 class GatewayApp:
     def __init__(self, policy: Policy, metrics: GatewayMetrics | None = None,
-                 redis_url: str | None = None) -> None:
+                 redis_url: str | None = None, state_prefix: str = "gw") -> None:
         self.policy = policy
         self.redis_url = redis_url
+        self.state_prefix = state_prefix
         self.metrics = metrics or GatewayMetrics()
         self.runtime: Runtime | None = None
         get = self._runtime
@@ -81,7 +82,7 @@ class GatewayApp:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         counters = await asyncio.to_thread(load_counters, self.policy)
         session = make_session(self.policy)
-        state = create_state(self.redis_url)
+        state = create_state(self.redis_url, self.state_prefix)
         rt = build_runtime(self.policy, self.metrics, session, state, counters, time.time())
         await rt.backends.probe_all(session)
         self.runtime = rt
@@ -143,5 +144,5 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(policy: Policy, metrics: GatewayMetrics | None = None,
-               redis_url: str | None = None) -> GatewayApp:
-    return GatewayApp(policy, metrics, redis_url)
+               redis_url: str | None = None, state_prefix: str = "gw") -> GatewayApp:
+    return GatewayApp(policy, metrics, redis_url, state_prefix)

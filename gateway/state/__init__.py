@@ -10,13 +10,13 @@ from gateway.state.base import Lease, Limits, PoolUsage, ReserveResult, StateBac
 from gateway.state.memory import MemoryState
 
 
-def create_state(url: str | None) -> StateBackend:
+def create_state(url: str | None, prefix: str = "gw") -> StateBackend:
     if not url or url == "memory://":
         return MemoryState()
     if url.startswith(("redis://", "rediss://", "unix://")):
         from gateway.state.redis import RedisState
 
-        return RedisState(url)
+        return RedisState(url, prefix=prefix)
     raise ValueError(f"--redis-url: expected redis://host:port[/db], got {url!r}")
 
 

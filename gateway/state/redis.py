@@ -24,7 +24,7 @@ from gateway.state.base import (
     StateError,
 )
 
-PREFIX = "gw"
+DEFAULT_PREFIX = "gw"
 
 
 def _script(name: str, with_purge: bool = False) -> str:
@@ -35,16 +35,17 @@ def _script(name: str, with_purge: bool = False) -> str:
     return text
 
 
-def pool_keys(pool: str) -> list[str]:
-    tag = f"{PREFIX}:{{{pool}}}"
+def pool_keys(pool: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    tag = f"{prefix}:{{{pool}}}"
     return [f"{tag}:expiry", f"{tag}:leases", f"{tag}:blocks", f"{tag}:tokens"]
 
 
 class RedisState(StateBackend):
     name = "redis"
 
-    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
+    def __init__(self, url: str, timeout_s: float = 0.5, prefix: str = DEFAULT_PREFIX) -> None:
         self.url = url
+        self.prefix = prefix
         # Short timeouts and no hidden retries: a Redis that is down must turn into the
         # policy's fail mode within a fraction of a second, never into a hung request.
         self.client: aioredis.Redis = aioredis.Redis.from_url(
@@ -64,13 +65,13 @@ class RedisState(StateBackend):
     async def reserve(self, lease: Lease, limits: Limits, ttl_s: float) -> ReserveResult:
         max_tokens = -1 if limits.max_tokens is None else limits.max_tokens
         ok, blocks, tokens, reason = await self._call(self._reserve(
-            keys=pool_keys(lease.pool),
+            keys=pool_keys(lease.pool, self.prefix),
             args=[lease.lease_id, lease.backend, lease.blocks, lease.tokens,
                   limits.max_blocks, max_tokens, int(ttl_s * 1000)]))
         return ReserveResult(bool(ok), int(blocks), int(tokens), _text(reason))
 
     async def release(self, lease: Lease) -> None:
-        await self._call(self._release(keys=pool_keys(lease.pool), args=[lease.lease_id]))
+        await self._call(self._release(keys=pool_keys(lease.pool, self.prefix), args=[lease.lease_id]))
 
     async def refresh(self, leases: list[Lease], ttl_s: float) -> None:
         by_pool: dict[str, list[str]] = {}
@@ -78,15 +79,15 @@ class RedisState(StateBackend):
             by_pool.setdefault(lease.pool, []).append(lease.lease_id)
         ttl_ms = int(ttl_s * 1000)
         for pool, ids in by_pool.items():
-            await self._call(self._refresh(keys=pool_keys(pool)[:1], args=[ttl_ms, *ids]))
+            await self._call(self._refresh(keys=pool_keys(pool, self.prefix)[:1], args=[ttl_ms, *ids]))
 
     async def usage(self, pool: str) -> PoolUsage:
-        raw = await self._call(self._usage(keys=pool_keys(pool)))
+        raw = await self._call(self._usage(keys=pool_keys(pool, self.prefix)))
         blocks = {_text(raw[i]): int(raw[i + 1]) for i in range(1, len(raw), 2)}
         return PoolUsage(blocks, int(raw[0]))
 
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
-        key = f"{PREFIX}:replicas"
+        key = f"{self.prefix}:replicas"
         async with self.client.pipeline(transaction=False) as pipe:
             now = await self._call(self.client.time())
             now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
