@@ -175,7 +175,20 @@ async def _odd_server(port: int) -> web.AppRunner:
         await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
         return resp
 
+    async def split(request: web.Request) -> web.StreamResponse:
+        # Events cut at awkward places, and an empty role frame 50 ms before the first token.
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n',
+                     b'\n', b'data: {"choices":[{"delta":{"content":"a"}}]}\n',
+                     b'\ndata: {"choices":[{"delta":{"cont',
+                     b'ent":"b"}}]}\n\ndata: [DONE]\n\n'):
+            await resp.write(part)
+            await asyncio.sleep(0.05)
+        return resp
+
     app = web.Application()
+    app.router.add_post("/split", split)
     app.router.add_post("/busy", busy)
     app.router.add_post("/broken", broken)
     app.router.add_post("/cut", cut)
@@ -185,7 +198,7 @@ async def _odd_server(port: int) -> web.AppRunner:
     return runner
 
 
-def test_retry_after_queue_header_and_stream_errors() -> None:
+def test_retry_after_queue_header_stream_errors_and_split_events() -> None:
     async def go() -> None:
         port = free_port()
         runner = await _odd_server(port)
@@ -194,6 +207,7 @@ def test_retry_after_queue_header_and_stream_errors() -> None:
                 busy = await client.send(RequestSpec("/busy", b"{}"))
                 broken = await client.send(RequestSpec("/broken", b"{}"))
                 cut = await client.send(RequestSpec("/cut", b"{}"))
+                split = await client.send(RequestSpec("/split", b"{}"))
         finally:
             await runner.cleanup()
         assert (busy.status, busy.error) == (429, "pool default is full")
@@ -201,6 +215,9 @@ def test_retry_after_queue_header_and_stream_errors() -> None:
         assert broken.status == 200 and broken.error == "engine died" and not broken.ok
         assert broken.ttft_s is not None and broken.events == 3
         assert cut.error == "stream ended before data: [DONE]"
+        assert split.ok and split.events == 4
+        # The first token is in the third write, 100 ms in; the role frame does not count.
+        assert split.ttft_s is not None and split.ttft_s >= 0.09
     asyncio.run(go())
 
 
