@@ -366,6 +366,10 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
                   lag_delta, gc_note)
 
 
+def ours(targets: Sequence[Target], engine: Proc) -> list[Proc]:
+    return [engine, *(t.proc for t in targets if t.proc is not None)]
+
+
 # ---------------------------------------------------------------- report
 
 @dataclass
@@ -436,6 +440,23 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
         await part_c(args, targets, engine, out)
 
 
+async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> float:
+    """Wait (at most --quiet-wait-s) until other processes leave the CPUs nearly idle.
+
+    Returns the other load seen last, in shares of a core. Between measurements our own
+    processes are idle, so what keeps the CPUs busy is someone else's work.
+    """
+    deadline = time.monotonic() + args.quiet_wait_s
+    while True:
+        b0, o0 = _cpu_busy_s(), sum(p.cpu_s() for p in ours) + time.process_time()
+        await asyncio.sleep(0.5)
+        o1 = sum(p.cpu_s() for p in ours) + time.process_time()
+        other = ((_cpu_busy_s() - b0) - (o1 - o0)) / 0.5
+        if other <= args.max_other or time.monotonic() > deadline:
+            return other
+        print(f"  waiting for other work to pass (other load {f_pct(other)})", flush=True)
+
+
 class Measured(Protocol):
     usage: Usage
     attempts: int
@@ -445,7 +466,7 @@ R = TypeVar("R", bound=Measured)
 
 
 async def retried(args: argparse.Namespace, label: str,
-                  measure_once: Callable[[], Awaitable[R]]) -> R:
+                  measure_once: Callable[[], Awaitable[R]], ours: Sequence[Proc]) -> R:
     """Run a measurement again (up to --retries times) while other work disturbed it.
 
     On a shared 2-core machine another process on the proxy's CPU stalls the proxy and shows
@@ -454,12 +475,12 @@ async def retried(args: argparse.Namespace, label: str,
     attempt = 0
     while True:
         attempt += 1
+        await wait_for_quiet(args, ours)
         result = await measure_once()
         if not result.usage.noisy(args) or attempt > args.retries:
             result.attempts = attempt
             return result
         print(f"  {label}: disturbed ({result.usage.show()}), measuring again", flush=True)
-        await asyncio.sleep(args.retry_pause_s)  # let the other work pass
 
 
 async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
@@ -480,7 +501,7 @@ async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
         for t in order:
             r = await retried(args, f"rep {rep} {t.name}", functools.partial(
                 ttft_run, t, engine, streams=streams, tokens=args.tokens,
-                duration_s=args.ttft_s, ttft_ms=ttft_ms, itl_ms=itl_ms))
+                duration_s=args.ttft_s, ttft_ms=ttft_ms, itl_ms=itl_ms), ours(targets, engine))
             runs[t.name].append(r)
             print(f"  rep {rep} {t.name:<15} p50 {f_ms(r.p50)} p99 {f_ms(r.p99)} n={r.n} "
                   f"err={r.errors} proxy cpu {f_pct(r.usage.proxy)} client cpu "
@@ -539,7 +560,7 @@ async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
                 continue  # this one is already at a full core
             s = await retried(args, f"itl {itl:g} {t.name}", functools.partial(
                 sat_run, t, engine, streams=args.sat_streams, itl_ms=itl,
-                stream_s=args.sat_stream_s, window_s=args.sat_window_s))
+                stream_s=args.sat_stream_s, window_s=args.sat_window_s), ours(targets, engine))
             u = s.usage
             print(f"  itl {itl:g} {t.name:<15} offered {s.offered:.0f} delivered "
                   f"{s.delivered:.0f} proxy {f_pct(u.proxy)} engine {f_pct(u.engine)} "
@@ -591,7 +612,7 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
         for t in order:
             r = await retried(args, f"stall rep {rep} {t.name}", functools.partial(
                 ttft_run, t, engine, streams=args.stall_streams, tokens=100,
-                duration_s=args.stall_s, ttft_ms=50.0, itl_ms=20.0))
+                duration_s=args.stall_s, ttft_ms=50.0, itl_ms=20.0), ours(targets, engine))
             print(f"  stall rep {rep} {t.name:<10} stall p99 {f_ms(r.excess_gap_p99)} max "
                   f"{f_ms(r.excess_gap_max)} ttft p99 {f_ms(r.p99)} {r.usage.show()}",
                   flush=True)
@@ -631,7 +652,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="info keeps the access log on, as deployed (it goes to a file)")
     p.add_argument("--retries", type=int, default=2,
                    help="measure again when other work disturbed a measurement")
-    p.add_argument("--retry-pause-s", type=float, default=5.0)
+    p.add_argument("--quiet-wait-s", type=float, default=30.0,
+                   help="before each measurement, wait up to this long for other load to pass")
     p.add_argument("--max-other", type=float, default=0.15,
                    help="other processes' CPU (share of a core) that makes a run noisy")
     p.add_argument("--max-wait", type=float, default=0.02,
@@ -646,8 +668,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the ExitStack, which stops our servers
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset")
     engine_cpu, proxy_cpu = (0, 1) if pin else (None, None)
     if pin:

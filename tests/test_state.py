@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.state import Lease, Limits, MemoryState, StateBackend, create_state
+from gateway.state import Bucket, Lease, Limits, MemoryState, StateBackend, create_state
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -92,3 +92,52 @@ def test_leases_expire_unless_refreshed(make_state: Callable[[], StateBackend]) 
 
 def test_redis_url_is_required_by_make_test() -> None:
     assert os.environ.get("REDIS_URL"), "make test must export REDIS_URL"
+
+
+def test_tenant_share_of_a_pool(make_state: Callable[[], StateBackend]) -> None:
+    p = pool()
+
+    async def go() -> None:
+        state = make_state()
+        limits = Limits(max_blocks=100, max_tokens=None, tenant_max_blocks=30)
+        a = Lease(p, "b0", "a", 20, 10, tenant="team-a")
+        assert (await state.reserve(a, limits, 30)).ok
+        refused = await state.reserve(Lease(p, "b1", "b", 20, 10, tenant="team-a"), limits, 30)
+        assert not refused.ok and refused.reason == "tenant_share"
+        other = Lease(p, "b1", "c", 20, 10, tenant="team-b")
+        assert (await state.reserve(other, limits, 30)).ok
+        await state.release(a)
+        again = Lease(p, "b1", "d", 20, 10, tenant="team-a")
+        assert (await state.reserve(again, limits, 30)).ok
+        for lease in (other, again):
+            await state.release(lease)
+        await state.close()
+
+    asyncio.run(go())
+
+
+def test_token_bucket_take_refund_and_refill(make_state: Callable[[], StateBackend]) -> None:
+    key = f"tenant-{uuid.uuid4().hex[:8]}"
+
+    async def go() -> None:
+        state = make_state()
+        bucket = Bucket(key, capacity=1000, refill_per_s=100.0)
+        first = await state.take(bucket, 700)
+        assert first.ok and 299 <= first.remaining <= 301
+        assert 6.5 <= first.reset_s <= 7.5
+        refused = await state.take(bucket, 500)
+        assert not refused.ok
+        await state.adjust(bucket, 300)  # the request never ran: refund
+        assert (await state.take(bucket, 500)).ok
+        await state.adjust(bucket, -400)  # it used more than reserved: reconcile
+        low = await state.take(bucket, 1)
+        assert low.remaining < 300
+        await asyncio.sleep(0.3)  # refills at 100 tokens/s
+        later = await state.adjust(bucket, 0)
+        assert later.remaining >= low.remaining + 20
+        big = Bucket(f"{key}-big", capacity=100, refill_per_s=1.0)
+        assert (await state.take(big, 5000)).ok  # a full bucket gives once, even too much
+        assert not (await state.take(big, 1)).ok
+        await state.close()
+
+    asyncio.run(go())

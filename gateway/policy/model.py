@@ -135,6 +135,8 @@ class AdmissionSpec(Strict):
     queue_wait_max_s: Annotated[float, Field(ge=0)] = 10.0
     lease_ttl_s: PositiveFloat = 30.0
     fail_mode: Literal["open", "closed"] = "open"  # when the state backend is unreachable
+    # Decide and count as if enforcing, but forward everything: try a policy on live traffic.
+    shadow: bool = False
     learned: Learned | None = None
 
 
@@ -201,6 +203,37 @@ class ServerSpec(Strict):
     max_body_bytes: PositiveInt = 8 * 2**20
     body_timeout_s: PositiveFloat = 30.0  # a client trickling its body gets 408 after this
     max_prompt_chars: PositiveInt = 2_000_000  # rejected with 400 before tokenizing
+    max_header_bytes: PositiveInt = 64 * 2**10  # request line + headers; over it: 431
+    max_json_depth: PositiveInt = 32  # nesting of the body's JSON; deeper: 400
+    max_json_items: PositiveInt = 200_000  # values in the body's JSON; more: 400
+    # Requests handled at once by this process; beyond it, 503 at once instead of an
+    # unbounded backlog (queued requests count: they hold a connection and a task).
+    max_concurrent_requests: PositiveInt = 4096
+
+
+Priority = Literal["critical", "standard", "sheddable"]
+SHA256_RE = r"^[0-9a-f]{64}$"
+
+
+class TenantSpec(Strict):
+    """A caller: its keys (as SHA-256 hex, never in plain text), priority and quotas."""
+
+    name: Name
+    api_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = []
+    priority: Priority = "standard"  # its default and highest class (x-priority may lower it)
+    tokens_per_minute: PositiveInt | None = None
+    tokens_per_day: PositiveInt | None = None
+    max_kv_share: Annotated[float, Field(gt=0, le=1)] | None = None  # of a pool's KV budget
+    models: list[str] | None = None  # None: all
+    shadow: bool = False  # quota and share decided and counted, never enforced
+
+
+class AuthSpec(Strict):
+    require_keys: bool = False  # false: callers without a known key are `anonymous_tenant`
+    anonymous_tenant: Name = "anonymous"
+    admin_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = []  # SHA-256 hex
+    # Key sent to engines when a backend names no api_key_env of its own.
+    upstream_api_key_env: str | None = None
 
 
 class UpstreamSpec(Strict):
@@ -226,6 +259,8 @@ class Policy(Strict):
     upstream: UpstreamSpec = UpstreamSpec()
     health: HealthSpec = HealthSpec()
     signals: SignalsSpec = SignalsSpec()
+    auth: AuthSpec = AuthSpec()
+    tenants: list[TenantSpec] = []
 
     def rule_errors(self) -> list[tuple[str, str]]:
         """Rules across keys, as (path, message); pydantic checks each key on its own."""
@@ -251,6 +286,24 @@ class Policy(Strict):
                     errors.append((f"pools.{pool_name}.models[{j}]",
                                    f"unknown model {model!r}; declared models: "
                                    f"{', '.join(sorted(names))}"))
+        tenant_names: set[str] = set()
+        key_owner: dict[str, str] = {}
+        for i, t in enumerate(self.tenants):
+            if t.name in tenant_names:
+                errors.append((f"tenants[{i}].name", f"duplicate tenant name {t.name!r}"))
+            tenant_names.add(t.name)
+            for j, key in enumerate(t.api_keys):
+                if key in key_owner:
+                    errors.append((f"tenants[{i}].api_keys[{j}]",
+                                   f"this key already belongs to tenant {key_owner[key]!r}"))
+                key_owner[key] = t.name
+            for j, model in enumerate(t.models or []):
+                if model not in names:
+                    errors.append((f"tenants[{i}].models[{j}]", f"unknown model {model!r}"))
+        for j, key in enumerate(self.auth.admin_keys):
+            if key in key_owner:
+                errors.append((f"auth.admin_keys[{j}]", "an admin key must not also be a "
+                               f"tenant's key (tenant {key_owner[key]!r})"))
         return errors
 
     def model(self, name: str) -> ModelSpec | None:

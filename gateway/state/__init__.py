@@ -6,7 +6,16 @@
 
 from __future__ import annotations
 
-from gateway.state.base import Lease, Limits, PoolUsage, ReserveResult, StateBackend, StateError
+from gateway.state.base import (
+    Bucket,
+    BucketResult,
+    Lease,
+    Limits,
+    PoolUsage,
+    ReserveResult,
+    StateBackend,
+    StateError,
+)
 from gateway.state.memory import MemoryState
 
 
@@ -20,5 +29,5 @@ def create_state(url: str | None, prefix: str = "gw") -> StateBackend:
     raise ValueError(f"--redis-url: expected redis://host:port[/db], got {url!r}")
 
 
-__all__ = ["Lease", "Limits", "MemoryState", "PoolUsage", "ReserveResult", "StateBackend",
+__all__ = ["Bucket", "BucketResult", "Lease", "Limits", "MemoryState", "PoolUsage", "ReserveResult", "StateBackend",
            "StateError", "create_state"]

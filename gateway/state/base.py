@@ -22,12 +22,30 @@ class Lease:
     lease_id: str
     blocks: int
     tokens: int
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_blocks: int  # on the backend
     max_tokens: int | None  # in flight on the whole pool; None: no limit
+    tenant_max_blocks: int | None = None  # the lease's tenant, across the pool's backends
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A token bucket: `capacity` tokens, refilled at `refill_per_s`."""
+
+    key: str
+    capacity: int
+    refill_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BucketResult:
+    ok: bool
+    remaining: int  # tokens left after the call (may be negative after a reconciliation)
+    reset_s: float  # until the bucket is full again
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +59,7 @@ class ReserveResult:
     ok: bool
     backend_blocks: int  # the backend's reserved blocks after the call
     pool_tokens: int  # the pool's reserved tokens after the call
-    reason: str = ""  # "kv_blocks" or "inflight_tokens" when refused
+    reason: str = ""  # "kv_blocks", "inflight_tokens" or "tenant_share" when refused
 
 
 class StateError(Exception):
@@ -72,6 +90,17 @@ class StateBackend(abc.ABC):
     @abc.abstractmethod
     async def usage(self, pool: str) -> PoolUsage:
         """Reserved blocks per backend and tokens of the pool, expired leases dropped."""
+
+    @abc.abstractmethod
+    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
+        """Take `amount` from the bucket if it holds that much. A full bucket always gives,
+        even more than it holds (going negative), so a request larger than a whole quota
+        window is admitted once rather than refused forever."""
+
+    @abc.abstractmethod
+    async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:
+        """Put `delta` tokens back (a refund) or, negative, take more (reconciliation);
+        never above capacity."""
 
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
         """Announce this replica; return how many replicas are alive (for fail-open shares)."""

@@ -10,7 +10,15 @@ import heapq
 import time
 from collections.abc import Callable
 
-from gateway.state.base import Lease, Limits, PoolUsage, ReserveResult, StateBackend
+from gateway.state.base import (
+    Bucket,
+    BucketResult,
+    Lease,
+    Limits,
+    PoolUsage,
+    ReserveResult,
+    StateBackend,
+)
 
 
 class MemoryState(StateBackend):
@@ -22,6 +30,8 @@ class MemoryState(StateBackend):
         self._expiry: list[tuple[float, str, str]] = []  # heap of (expiry, pool, id)
         self._blocks: dict[tuple[str, str], int] = {}
         self._tokens: dict[str, int] = {}
+        self._tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> blocks
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (level, at)
 
     def _purge(self) -> None:
         now = self.clock()
@@ -36,6 +46,7 @@ class MemoryState(StateBackend):
         key = (lease.pool, lease.backend)
         self._blocks[key] -= lease.blocks
         self._tokens[lease.pool] -= lease.tokens
+        self._tenants[(lease.pool, lease.tenant)] -= lease.blocks
 
     async def reserve(self, lease: Lease, limits: Limits, ttl_s: float) -> ReserveResult:
         self._purge()
@@ -47,6 +58,12 @@ class MemoryState(StateBackend):
         if limits.max_tokens is not None and tokens > 0 \
                 and tokens + lease.tokens > limits.max_tokens:
             return ReserveResult(False, blocks, tokens, "inflight_tokens")
+        tenant_key = (lease.pool, lease.tenant)
+        held = self._tenants.get(tenant_key, 0)
+        if limits.tenant_max_blocks is not None and held > 0 \
+                and held + lease.blocks > limits.tenant_max_blocks:
+            return ReserveResult(False, blocks, tokens, "tenant_share")
+        self._tenants[tenant_key] = held + lease.blocks
         expiry = self.clock() + ttl_s
         self._leases[(lease.pool, lease.lease_id)] = (lease, expiry)
         heapq.heappush(self._expiry, (expiry, lease.pool, lease.lease_id))
@@ -66,6 +83,26 @@ class MemoryState(StateBackend):
             if key in self._leases:
                 self._leases[key] = (self._leases[key][0], expiry)
                 heapq.heappush(self._expiry, (expiry, lease.pool, lease.lease_id))
+
+    def _level(self, bucket: Bucket) -> float:
+        now = self.clock()
+        level, at = self._buckets.get(bucket.key, (float(bucket.capacity), now))
+        return min(float(bucket.capacity), level + (now - at) * bucket.refill_per_s)
+
+    def _result(self, bucket: Bucket, ok: bool, level: float) -> BucketResult:
+        self._buckets[bucket.key] = (level, self.clock())
+        reset = (bucket.capacity - level) / bucket.refill_per_s if bucket.refill_per_s else 0.0
+        return BucketResult(ok, int(level), max(0.0, reset))
+
+    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
+        level = self._level(bucket)
+        if level >= amount or level >= bucket.capacity:
+            return self._result(bucket, True, level - amount)
+        return self._result(bucket, False, level)
+
+    async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:
+        level = min(float(bucket.capacity), self._level(bucket) + delta)
+        return self._result(bucket, True, level)
 
     async def usage(self, pool: str) -> PoolUsage:
         self._purge()

@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.state.base import (
+    Bucket,
+    BucketResult,
     Lease,
     Limits,
     PoolUsage,
@@ -37,7 +39,8 @@ def _script(name: str, with_purge: bool = False) -> str:
 
 def pool_keys(pool: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
     tag = f"{prefix}:{{{pool}}}"
-    return [f"{tag}:expiry", f"{tag}:leases", f"{tag}:blocks", f"{tag}:tokens"]
+    return [f"{tag}:expiry", f"{tag}:leases", f"{tag}:blocks", f"{tag}:tokens",
+            f"{tag}:tenants"]
 
 
 class RedisState(StateBackend):
@@ -55,6 +58,7 @@ class RedisState(StateBackend):
         self._release = self.client.register_script(_script("release.lua"))
         self._refresh = self.client.register_script(_script("refresh.lua"))
         self._usage = self.client.register_script(_script("usage.lua", with_purge=True))
+        self._bucket = self.client.register_script(_script("bucket.lua"))
 
     async def _call(self, coro: Any) -> Any:
         try:
@@ -64,10 +68,12 @@ class RedisState(StateBackend):
 
     async def reserve(self, lease: Lease, limits: Limits, ttl_s: float) -> ReserveResult:
         max_tokens = -1 if limits.max_tokens is None else limits.max_tokens
+        tenant_max = -1 if limits.tenant_max_blocks is None else limits.tenant_max_blocks
         ok, blocks, tokens, reason = await self._call(self._reserve(
             keys=pool_keys(lease.pool, self.prefix),
             args=[lease.lease_id, lease.backend, lease.blocks, lease.tokens,
-                  limits.max_blocks, max_tokens, int(ttl_s * 1000)]))
+                  limits.max_blocks, max_tokens, int(ttl_s * 1000), lease.tenant,
+                  tenant_max]))
         return ReserveResult(bool(ok), int(blocks), int(tokens), _text(reason))
 
     async def release(self, lease: Lease) -> None:
@@ -85,6 +91,18 @@ class RedisState(StateBackend):
         raw = await self._call(self._usage(keys=pool_keys(pool, self.prefix)))
         blocks = {_text(raw[i]): int(raw[i + 1]) for i in range(1, len(raw), 2)}
         return PoolUsage(blocks, int(raw[0]))
+
+    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
+        return await self._bucket_call(bucket, amount, "take")
+
+    async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:
+        return await self._bucket_call(bucket, delta, "adjust")
+
+    async def _bucket_call(self, bucket: Bucket, amount: int, op: str) -> BucketResult:
+        ok, remaining, reset_ms = await self._call(self._bucket(
+            keys=[f"{self.prefix}:quota:{{{bucket.key}}}"],
+            args=[amount, bucket.capacity, repr(bucket.refill_per_s), op]))
+        return BucketResult(bool(ok), int(remaining), int(reset_ms) / 1000)
 
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
         key = f"{self.prefix}:replicas"

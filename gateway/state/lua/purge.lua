@@ -6,9 +6,10 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 50
 for _, id in ipairs(expired) do
   local v = redis.call('HGET', KEYS[2], id)
   if v then
-    local b, blk, tok = string.match(v, '^(.*)|(%d+)|(%d+)$')
+    local b, tn, blk, tok = string.match(v, '^(.*)|(.*)|(%d+)|(%d+)$')
     redis.call('HINCRBY', KEYS[3], b, -tonumber(blk))
     redis.call('INCRBY', KEYS[4], -tonumber(tok))
+    redis.call('HINCRBY', KEYS[5], tn, -tonumber(blk))
     redis.call('HDEL', KEYS[2], id)
   end
   redis.call('ZREM', KEYS[1], id)
