@@ -59,20 +59,23 @@ class Backends:
     """All backends of the policy, grouped by pool, with passive health bookkeeping."""
 
     def __init__(self, policy: Policy, metrics: GatewayMetrics,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, upstream_key: str | None = None) -> None:
         self.policy = policy
+        self.upstream_key = upstream_key
         self.metrics = metrics
         self.clock = clock
         self.pools: dict[str, list[Backend]] = {
-            name: [self._make(name, pool, spec) for spec in pool.backends]
+            name: [self._make(name, pool, spec, upstream_key) for spec in pool.backends]
             for name, pool in policy.pools.items()
         }
         for b in self.all():
             self._publish(b)
 
     @staticmethod
-    def _make(pool_name: str, pool: PoolSpec, spec: BackendSpec) -> Backend:
-        key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    def _make(pool_name: str, pool: PoolSpec, spec: BackendSpec,
+              default_key: str | None) -> Backend:
+        # The caller's key never goes upstream; the engine gets the policy's key, if any.
+        key = os.environ.get(spec.api_key_env) if spec.api_key_env else default_key
         return Backend(
             pool=pool_name, name=spec.name, url=spec.url,
             chat_url=spec.url + "/v1/chat/completions",

@@ -6,16 +6,18 @@ error kinds from fixed lists), never a request id or prompt. Latency buckets rea
 because long generations and queueing under overload do.
 
 Each app gets its own registry, so several gateways can run in one process (tests) and the
-label children used on the hot path are bound once and cached.
+label children used on the hot path are bound once and cached. Under `gateway serve
+--workers N` each gauge's `multiprocess_mode` says how the workers' values combine.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0, 300.0, 600.0)
@@ -46,10 +48,11 @@ class GatewayMetrics:
             "Time per output token after the first, per request (e2e - ttft) / (tokens - 1).",
             ["pool"], buckets=TPOT_BUCKETS, registry=r)
         self.inflight = Gauge(
-            "gateway_inflight_requests", "Requests being forwarded now.", ["pool"], registry=r)
+            "gateway_inflight_requests", "Requests being forwarded now.", ["pool"], registry=r,
+            multiprocess_mode="livesum")
         self.backend_up = Gauge(
             "gateway_backend_up", "1 when the backend takes traffic (probe ok, not ejected).",
-            ["pool", "backend"], registry=r)
+            ["pool", "backend"], registry=r, multiprocess_mode="livemax")
         self.upstream_errors = Counter(
             "gateway_upstream_errors_total", "Failures talking to an engine, by kind: "
             + ", ".join(UPSTREAM_ERROR_KINDS) + ".",
@@ -68,26 +71,37 @@ class GatewayMetrics:
             "rejected; with the reason.", ["pool", "decision", "reason"], registry=r)
         self.queue_depth = Gauge(
             "gateway_queue_depth", "Requests waiting for admission.", ["pool", "priority"],
-            registry=r)
+            registry=r, multiprocess_mode="livesum")
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time admitted requests spent in the queue.",
             ["pool"], buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks_reserved = Gauge(
             "gateway_kv_blocks_reserved", "KV blocks reserved by in-flight requests "
-            "(all replicas sharing the state backend).", ["pool", "backend"], registry=r)
+            "(all replicas sharing the state backend).", ["pool", "backend"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.kv_blocks_capacity = Gauge(
             "gateway_kv_blocks_capacity", "KV blocks of the backend: from the engine's "
             "vllm:cache_config_info, else the policy, else the planner's ledger.",
-            ["pool", "backend"], registry=r)
+            ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
         self.engine_kv_usage = Gauge(
             "gateway_engine_kv_usage_ratio", "The engine's own KV cache usage (0-1), scraped.",
-            ["pool", "backend"], registry=r)
+            ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
         self.latency_guard_limit = Gauge(
             "gateway_latency_guard_limit_tokens", "In-flight tokens the latency guard allows "
-            "the pool now.", ["pool"], registry=r)
+            "the pool now.", ["pool"], registry=r, multiprocess_mode="livemin")
         self.state_errors = Counter(
             "gateway_state_errors_total", "Failed operations on the state backend.", ["op"],
             registry=r)
+        self.shadow_decisions = Counter(
+            "gateway_shadow_decisions_total", "What admission or a tenant rule in shadow mode "
+            "would have done; the request was forwarded regardless.",
+            ["pool", "decision", "reason"], registry=r)
+        self.policy_reloads = Counter(
+            "gateway_policy_reloads_total", "Policy reloads by result: ok, invalid (the old "
+            "policy stays in force).", ["result"], registry=r)
+        self.quota_rejections = Counter(
+            "gateway_quota_rejections_total", "Requests refused with 429 for a tenant's token "
+            "quota.", ["tenant"], registry=r)
         self.token_estimate_error = Histogram(
             "gateway_token_estimate_error_ratio",
             "Relative error of prompt-token estimates for models with tokenizer `none` "
@@ -130,3 +144,31 @@ class GatewayMetrics:
         cb = getattr(self, "_gc_callback", None)
         if cb is not None and cb in gc.callbacks:
             gc.callbacks.remove(cb)
+
+
+def exposition_registry(own: CollectorRegistry) -> CollectorRegistry:
+    """What `/metrics` renders: this app's registry, or under `gateway serve --workers N`
+    (PROMETHEUS_MULTIPROC_DIR set) every worker's samples merged from their files."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return own
+    # A worker that died (uvicorn starts another) must leave the live gauges; its counters
+    # stay, so totals never go backwards.
+    for name in os.listdir(path):
+        if name.startswith("gauge_live") and name.endswith(".db"):
+            pid = int(name.rsplit("_", 1)[1][:-3])
+            if not _alive(pid):
+                multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

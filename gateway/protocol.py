@@ -139,21 +139,49 @@ Endpoint = Literal["chat", "completions"]
 ParsedRequest = ChatCompletionRequest | CompletionRequest
 
 
-def parse_request(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], ParsedRequest]:
+def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
+                  max_items: int = 200_000) -> tuple[dict[str, Any], ParsedRequest]:
     """Decode and validate a body; return the raw dict (to forward) and the typed view."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}",
+        text = str(exc)
+        if "recursion" in text.lower():
+            text = f"nested deeper than {max_depth} levels"
+        raise InvalidRequest(f"The request body is not valid JSON: {text}",
                              code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    check_shape(data, max_depth, max_items)
     model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     try:
         parsed = model_cls.model_validate(data)
     except ValidationError as exc:
         raise _schema_error(exc) from None
     return data, parsed
+
+
+def check_shape(data: object, max_depth: int, max_items: int) -> None:
+    """Refuse absurd JSON before anything walks it recursively (pydantic, templates)."""
+    stack: list[tuple[object, int]] = [(data, 1)]
+    items = 0
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > max_depth:
+            raise InvalidRequest(f"The request body's JSON is nested deeper than {max_depth} "
+                                 "levels.", code="invalid_json")
+        items += len(value)
+        if items > max_items:
+            raise InvalidRequest(f"The request body's JSON has more than {max_items} values.",
+                                 code="invalid_json")
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, dict | list))
 
 
 def _schema_error(exc: ValidationError) -> InvalidRequest:

@@ -60,6 +60,8 @@ class Exchange:
     response_started: bool = False
     error: str = ""
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    tenant: str = ""
+    estimated_prompt_tokens: int | None = None
 
 
 class Forwarder:

@@ -6,6 +6,7 @@ request through one reference, so a reload can swap a whole new Runtime in atomi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,6 +20,7 @@ from gateway.proxy import Forwarder
 from gateway.routing import Router
 from gateway.signals.engines import EngineScraper
 from gateway.state import StateBackend
+from gateway.tenants import Quotas, Tenants
 
 
 @dataclass(eq=False)
@@ -34,6 +36,8 @@ class Runtime:
     admission: Admission
     counters: dict[str, TokenCounter]  # model -> prompt token counter
     output_lengths: dict[str, OutputLengthModel]  # model -> learned completion lengths
+    tenants: Tenants
+    quotas: Quotas
     started_at: float
 
 
@@ -57,15 +61,23 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
 
 
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
-                  state: StateBackend, counters: dict[str, TokenCounter],
-                  started_at: float) -> Runtime:
-    backends = Backends(policy, metrics)
+                  state: StateBackend, counters: dict[str, TokenCounter], started_at: float,
+                  output_lengths: dict[str, OutputLengthModel] | None = None) -> Runtime:
+    backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
     router = Router(policy, backends)
     forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
                           policy.upstream.read_timeout_s)
     scraper = EngineScraper(policy.signals.metrics_max_age_s)
     admission = Admission(policy, backends, state, metrics, scraper)
-    outputs = {m.name: OutputLengthModel(policy.defaults.expected_output_tokens)
+    # Learned output lengths carry over a reload for the models that stay.
+    old = output_lengths or {}
+    outputs = {m.name: old.get(m.name) or OutputLengthModel(policy.defaults.expected_output_tokens)
                for m in policy.models}
     return Runtime(policy, metrics, backends, router, forwarder, session, state, scraper,
-                   admission, counters, outputs, started_at)
+                   admission, counters, outputs, Tenants(policy),
+                   Quotas(policy, state, metrics), started_at)
+
+
+def _upstream_key(policy: Policy) -> str | None:
+    env = policy.auth.upstream_api_key_env
+    return os.environ.get(env) if env else None

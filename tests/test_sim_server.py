@@ -216,7 +216,7 @@ def test_over_max_num_queued_reqs_is_answered_503_at_once(sim: Server) -> None:
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as info:
             await aclient(sim).completions.create(model=MODEL, prompt="one more", max_tokens=5)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 2.0  # answered at once, not queued
         assert info.value.status_code == 503
         body = info.value.body
         assert isinstance(body, dict) and body["type"] == "ServiceUnavailableError"

@@ -74,6 +74,9 @@ class Ask:
     caller: str = "anonymous"
     deadline_s: float | None = None  # a client's shorter queue deadline
     overflow: bool = False
+    tenant: str = ""
+    tenant_share: float | None = None  # the tenant's max share of the pool's KV budget
+    tenant_shadow: bool = False  # the tenant's share is counted, not enforced
 
 
 @dataclass(eq=False)
@@ -91,6 +94,7 @@ class PoolState:
     drained_tokens: float = 0.0
     drain_rate: float = 0.0  # tokens/s released, EWMA
     overflow_inflight: int = 0
+    tenant_blocks: dict[str, int] = field(default_factory=dict)  # this replica's, for shadow
     drain_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -197,11 +201,42 @@ class Admission:
                 raise Overloaded(f"The long-context pool is unavailable and pool `{ask.pool}` "
                                  f"already runs {cap} overflowed long request(s).",
                                  headers={"retry-after": "5"})
+        if ps.spec.admission.shadow:
+            return await self._shadow(ps, ask)
         ticket, reason = await self._try(ps, ask)
         if ticket is not None:
             self._count(ask.pool, "admitted", reason)
             return ticket
         return await self._wait(ps, ask, reason)
+
+    async def _shadow(self, ps: PoolState, ask: Ask) -> Ticket:
+        """Decide exactly as if enforcing and count it; then forward whatever was decided.
+
+        A request that would have waited or been refused is still reserved (beyond the
+        limits), so the next decisions see the load the engines really carry.
+        """
+        ticket, reason = await self._try(ps, ask)
+        if ticket is not None:
+            self.metrics.shadow_decisions.labels(ps.name, "admitted", reason).inc()
+            return ticket
+        ahead = ps.queue.work_ahead(ask.priority, ask.caller)
+        predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
+        deadline = min(ps.spec.admission.queue_wait_max_s,
+                       ask.deadline_s if ask.deadline_s is not None else float("inf"))
+        would_wait = ps.spec.admission.queue_size > 0 and predicted <= deadline
+        self.metrics.shadow_decisions.labels(
+            ps.name, "queued" if would_wait else "rejected",
+            reason if would_wait or predicted <= deadline else "predicted_wait").inc()
+        now = self.clock()
+        backend = max((b for b in self.backends.pools[ps.name] if b.available(now)),
+                      key=lambda b: self.max_blocks(ps, b.name) - ps.reserved.get(b.name, 0),
+                      default=None)
+        if backend is None:
+            raise _no_backend(ps.name)
+        forced, _ = await self._reserve(ps, ask, backend, force=True)
+        assert forced is not None
+        forced.reason = "shadow"
+        return forced
 
     async def _try(self, ps: PoolState, ask: Ask) -> tuple[Ticket | None, str]:
         """One attempt on each backend, most headroom first; (ticket, reason)."""
@@ -221,17 +256,24 @@ class Admission:
                 return ticket, reason
         return None, reason
 
-    async def _reserve(self, ps: PoolState, ask: Ask,
-                       backend: Backend) -> tuple[Ticket | None, str]:
+    async def _reserve(self, ps: PoolState, ask: Ask, backend: Backend,
+                       force: bool = False) -> tuple[Ticket | None, str]:
         max_blocks = self.max_blocks(ps, backend.name)
         # A reservation larger than a whole backend would never fit; cap it at the limit so
         # the request runs alone rather than waiting forever.
         blocks = min(ask.blocks, max(1, max_blocks))
         lease = Lease(ps.name, backend.name, f"{self.replica_id}-{next(self._ids)}", blocks,
-                      ask.tokens)
+                      ask.tokens, ask.tenant)
         guard_limit = int(ps.guard.limit) if ps.guard.limit < ps.guard.ceiling or \
             ps.thresholds.inflight_tokens_max.value is not None else None
-        limits = Limits(max_blocks, guard_limit)
+        tenant_max = None
+        if ask.tenant_share is not None and not ask.tenant_shadow:
+            budget = sum(int(c * (ps.thresholds.kv_usage_max.value or 1.0))
+                         for c in ps.capacity.values())
+            tenant_max = max(1, int(budget * ask.tenant_share))
+        limits = Limits(max_blocks, guard_limit, tenant_max)
+        if force:
+            limits = Limits(UNKNOWN_CAPACITY_BLOCKS, None, None)
         store = self.state
         try:
             result = await store.reserve(lease, limits, ps.spec.admission.lease_ttl_s)
@@ -253,9 +295,12 @@ class Admission:
                 result.backend_blocks)
         if not result.ok:
             return None, result.reason
+        if ask.tenant_shadow and ask.tenant_share is not None:
+            self._shadow_tenant_share(ps, ask, lease)
         self.live[lease.lease_id] = (store, lease)
         if ask.overflow:
             ps.overflow_inflight += 1
+        ps.tenant_blocks[lease.tenant] = ps.tenant_blocks.get(lease.tenant, 0) + lease.blocks
         return Ticket(ps.name, backend, lease, store, "admitted",
                       "fallback" if store is self.fallback else "fits",
                       overflow=ask.overflow), "fits"
@@ -310,6 +355,15 @@ class Admission:
             "thresholds": ps.thresholds.as_dict(),
             "backends": backends,
         }
+
+    def _shadow_tenant_share(self, ps: PoolState, ask: Ask, lease: Lease) -> None:
+        """A tenant rule in shadow mode: count when its share would have been exceeded."""
+        assert ask.tenant_share is not None
+        budget = sum(int(c * (ps.thresholds.kv_usage_max.value or 1.0))
+                     for c in ps.capacity.values())
+        held = ps.tenant_blocks.get(ask.tenant, 0)
+        if held and held + lease.blocks > budget * ask.tenant_share:
+            self.metrics.shadow_decisions.labels(ps.name, "rejected", "tenant_share").inc()
 
     async def _wait(self, ps: PoolState, ask: Ask, reason: str) -> Ticket:
         spec = ps.spec.admission
@@ -368,6 +422,7 @@ class Admission:
             "kv_blocks": "its engines' KV cache is at the admission limit",
             "inflight_tokens": "its in-flight token limit is reached",
             "engine_waiting": "its engines are already queueing requests",
+            "tenant_share": "this tenant holds its whole share of the pool's KV cache",
         }.get(cause, cause)
         then = {
             None: "",
@@ -420,6 +475,11 @@ class Admission:
         if ticket.lease is None or ticket.store is None:
             return
         self.live.pop(ticket.lease.lease_id, None)
+        held = ps.tenant_blocks.get(ticket.lease.tenant, 0) - ticket.lease.blocks
+        if held > 0:
+            ps.tenant_blocks[ticket.lease.tenant] = held
+        else:
+            ps.tenant_blocks.pop(ticket.lease.tenant, None)
         try:
             await ticket.store.release(ticket.lease)
         except StateError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
@@ -32,10 +31,10 @@ from gateway.protocol import (
     parse_request,
 )
 from gateway.admission.controller import Ask, Ticket
-from gateway.admission.queue import PRIORITIES
 from gateway.costing import cost_request
 from gateway.proxy import ClientGone, Exchange
 from gateway.runtime import Runtime
+from gateway.tenants import QuotaTicket
 
 log = logging.getLogger("gateway.api")
 
@@ -105,31 +104,43 @@ class CompletionsEndpoint:
                     task.cancel()
 
         watcher: asyncio.Future[Any] | None = None
+        quota: QuotaTicket | None = None
         try:
+            tenant = rt.tenants.identify(headers.get(b"authorization"))
             body = await read_body(scope, receive, rt.policy.server.max_body_bytes,
                                    rt.policy.server.body_timeout_s)
             watcher = asyncio.ensure_future(receive())
             watcher.add_done_callback(on_receive)
-            data, parsed = parse_request(body, self.endpoint)
+            data, parsed = parse_request(body, self.endpoint, rt.policy.server.max_json_depth,
+                                         rt.policy.server.max_json_items)
             model = rt.router.model(parsed.model)
+            rt.tenants.check_model(tenant, model.name)
             costed, chars = await cost_request(rt, model, data, parsed)
             route = costed.route
+            quota = await rt.quotas.take(tenant, costed.tokens, route.pool)
             ask = Ask(route.pool, costed.blocks, costed.tokens,
-                      priority=_priority(headers.get(b"x-priority")),
-                      caller=_caller(headers.get(b"authorization")),
-                      deadline_s=_client_deadline(headers), overflow=route.overflow)
+                      priority=rt.tenants.priority(tenant, headers.get(b"x-priority")),
+                      caller=tenant.name, deadline_s=_client_deadline(headers),
+                      overflow=route.overflow, tenant=tenant.name,
+                      tenant_share=tenant.max_kv_share,
+                      tenant_shadow=tenant.shadow)
             if model.upstream_name != parsed.model:
                 data["model"] = model.upstream_name
                 body = orjson.dumps(data)
             ticket = await rt.admission.admit(ask)
+            response_headers = [
+                rid_header, (b"x-gateway-pool", route.pool.encode()),
+                (b"x-gateway-decision", ticket.decision.encode()),
+                (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
+                (b"x-gateway-prompt-tokens", b"%d" % costed.prompt_tokens)]
+            if quota is not None:
+                response_headers.extend((k.encode(), v.encode())
+                                        for k, v in quota.headers.items())
             ex = Exchange(
                 request_id=request_id, endpoint=self.endpoint, model=model.name,
                 pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
-                response_headers=[
-                    rid_header, (b"x-gateway-pool", route.pool.encode()),
-                    (b"x-gateway-decision", ticket.decision.encode()),
-                    (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
-                    (b"x-gateway-prompt-tokens", b"%d" % costed.prompt_tokens)],
+                response_headers=response_headers, tenant=tenant.name,
+                estimated_prompt_tokens=costed.prompt_tokens,
             )
             inflight = rt.metrics.pool_children(route.pool)[3]
             inflight.inc()
@@ -168,11 +179,28 @@ class CompletionsEndpoint:
             if watcher is not None:
                 watcher.remove_done_callback(on_receive)
                 watcher.cancel()
+            # Shielded: a second cancellation must not leak a reservation or a quota.
             if ticket is not None:
-                # Shielded: a second cancellation must not leak the reservation.
                 await asyncio.shield(rt.admission.release(ticket))
+            if quota is not None:
+                await asyncio.shield(rt.quotas.settle(quota, _tokens_used(ex)))
         if ex is not None:
             _observe(rt, ex, gone, loop.time(), forward_start)
+
+
+def _tokens_used(ex: Exchange | None) -> int | None:
+    """What the engine spent, for quota reconciliation; None when it never took the request.
+
+    The engine's `usage` when it sent one; else, for a stream cut short, the prompt as we
+    counted it plus the tokens streamed so far (one per SSE event after the first).
+    """
+    if ex is None or not ex.response_started or ex.status not in (200, 499, 502):
+        return None
+    if ex.prompt_tokens is not None and ex.completion_tokens is not None:
+        return ex.prompt_tokens + ex.completion_tokens
+    if ex.first_byte is None and not ex.stream:
+        return None
+    return (ex.estimated_prompt_tokens or 0) + max(0, ex.sse_events - 1)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
@@ -194,19 +222,6 @@ def _valid_request_id(value: bytes | None) -> str | None:
         if text.isprintable():
             return text
     return None
-
-
-def _priority(value: bytes | None) -> int:
-    if value:
-        return PRIORITIES.get(value.decode("latin-1").strip().lower(), PRIORITIES["standard"])
-    return PRIORITIES["standard"]
-
-
-def _caller(auth: bytes | None) -> str:
-    """Who is asking, for fairness: a digest of the key, never the key itself."""
-    if not auth:
-        return "anonymous"
-    return hashlib.blake2b(auth, digest_size=8).hexdigest()
 
 
 def _client_deadline(headers: dict[bytes, bytes]) -> float | None:

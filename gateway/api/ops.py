@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.metrics import exposition_registry
 from gateway.runtime import Runtime
 
 
@@ -39,7 +40,8 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     # Rendering walks every series; do it off the event loop.
-    text = await asyncio.to_thread(generate_latest, rt.metrics.registry)
+    text = await asyncio.to_thread(
+        lambda: generate_latest(exposition_registry(rt.metrics.registry)))
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
