@@ -446,15 +446,18 @@ async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> floa
     Returns the other load seen last, in shares of a core. Between measurements our own
     processes are idle, so what keeps the CPUs busy is someone else's work.
     """
-    deadline = time.monotonic() + args.quiet_wait_s
+    start = time.monotonic()
     while True:
         b0, o0 = _cpu_busy_s(), sum(p.cpu_s() for p in ours) + time.process_time()
         await asyncio.sleep(0.5)
         o1 = sum(p.cpu_s() for p in ours) + time.process_time()
         other = ((_cpu_busy_s() - b0) - (o1 - o0)) / 0.5
-        if other <= args.max_other or time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if other <= args.max_other or waited > args.quiet_wait_s:
+            if waited > 1.0:
+                print(f"  waited {waited:.0f} s for other work to pass (other load now "
+                      f"{f_pct(other)})", flush=True)
             return other
-        print(f"  waiting for other work to pass (other load {f_pct(other)})", flush=True)
 
 
 class Measured(Protocol):

@@ -1,13 +1,19 @@
 """The ASGI app: a fast path for the completion endpoints in front of a Starlette app.
 
 The two POST endpoints that carry streams go straight to their raw ASGI handlers; Starlette
-serves everything else (models, health, metrics) and the lifespan. Starlette's middleware
-would otherwise wrap `send` for every streamed chunk.
+serves everything else (models, health, metrics, estimate, admin) and the lifespan.
+Starlette's middleware would otherwise wrap `send` for every streamed chunk.
 
-The lifespan holds what lives as long as the process: the aiohttp session, the health
-prober, the event-loop lag monitor. After start-up it freezes the garbage collector's view of
-everything built so far, so a full collection no longer walks the tokenizers, the policy and
-the imported modules while streams wait.
+The lifespan holds what lives as long as the process: the aiohttp session, the state backend,
+the tokenizers, and the background tasks of the runtime in force (health prober, engine
+scraper, admission ticks) plus the event-loop lag monitor. After start-up it freezes the
+garbage collector's view of everything built so far, so a full collection no longer walks the
+tokenizers, the policy and the imported modules while streams wait.
+
+A reload (SIGHUP or POST /admin/reload) validates the new file, builds a new Runtime on the
+same session, state and tokenizers, and swaps it in with one assignment. In-flight requests
+keep the Runtime they started with and release into the same state backend, so reservations
+carry over; the old runtime's admission keeps ticking until its last request is done.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+import aiohttp
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,45 +34,79 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.api import ops
-from gateway.api.openai import CompletionsEndpoint, error_response, list_models
-from gateway.metrics import GatewayMetrics
-from gateway.policy import Policy
+from gateway.api import admin, ops
 from gateway.api.estimate import estimate_endpoint
+from gateway.api.openai import CompletionsEndpoint, error_response, list_models
+from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.policy import Policy, PolicyError, load_policy
+from gateway.protocol import error_body
 from gateway.runtime import Runtime, build_runtime, load_counters, make_session
-from gateway.state import create_state
+from gateway.state import StateBackend, create_state
 
 log = logging.getLogger("gateway.app")
 
 LAG_INTERVAL_S = 0.1
 
 
+@dataclass
+class ReloadResult:
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+
+
 class GatewayApp:
     def __init__(self, policy: Policy, metrics: GatewayMetrics | None = None,
-                 redis_url: str | None = None, state_prefix: str = "gw") -> None:
+                 redis_url: str | None = None, state_prefix: str = "gw",
+                 policy_path: str | None = None, admin_routes: bool = True) -> None:
         self.policy = policy
+        self.policy_path = policy_path
         self.redis_url = redis_url
         self.state_prefix = state_prefix
         self.metrics = metrics or GatewayMetrics()
         self.runtime: Runtime | None = None
+        self.loaded_at = time.time()
+        self.reloads = {"ok": 0, "invalid": 0}
+        self.last_reload_error: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._state: StateBackend | None = None
+        self._counters: dict[str, tuple[str, TokenCounter]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._retirements: set[asyncio.Task[None]] = set()
+        self._reload_lock = asyncio.Lock()
+        self._active = 0
+        self.max_active = policy.server.max_concurrent_requests
         get = self._runtime
         self.fast: dict[str, CompletionsEndpoint] = {
             "/v1/chat/completions": CompletionsEndpoint("chat", get),
             "/v1/completions": CompletionsEndpoint("completions", get),
         }
+        routes = [
+            # Reached only for other methods (the fast path takes POST): answers 405.
+            *(Route(path, ep, methods=["POST"]) for path, ep in self.fast.items()),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/healthz", ops.healthz, methods=["GET"]),
+            Route("/readyz", ops.readyz, methods=["GET"]),
+            Route("/metrics", ops.metrics, methods=["GET"]),
+            Route("/gateway/estimate", estimate_endpoint, methods=["POST"]),
+        ]
+        if admin_routes:
+            routes.extend(admin.routes())
         self.starlette = Starlette(
-            routes=[
-                # Reached only for other methods (the fast path takes POST): answers 405.
-                *(Route(path, ep, methods=["POST"]) for path, ep in self.fast.items()),
-                Route("/v1/models", list_models, methods=["GET"]),
-                Route("/healthz", ops.healthz, methods=["GET"]),
-                Route("/readyz", ops.readyz, methods=["GET"]),
-                Route("/metrics", ops.metrics, methods=["GET"]),
-                Route("/gateway/estimate", estimate_endpoint, methods=["POST"]),
-            ],
+            routes=routes,
             exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
             lifespan=self._lifespan,
         )
+        self.starlette.state.gateway = self
+
+    def admin_app(self) -> Starlette:
+        """The admin API alone, for a port of its own; shares this app's runtime."""
+        app = Starlette(routes=[*admin.routes(),
+                                Route("/healthz", ops.healthz, methods=["GET"]),
+                                Route("/metrics", ops.metrics, methods=["GET"])],
+                        exception_handlers={HTTPException: _http_error})  # type: ignore[dict-item]
+        app.state.gateway = self
+        return app
 
     def _runtime(self) -> Runtime:
         assert self.runtime is not None, "lifespan has not run"
@@ -74,35 +116,28 @@ class GatewayApp:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast.get(scope["path"])
             if endpoint is not None:
-                await endpoint(scope, receive, send)
+                if self._active >= self.max_active:
+                    await _busy(send)  # answer at once rather than queue without bound
+                    return
+                self._active += 1
+                try:
+                    await endpoint(scope, receive, send)
+                finally:
+                    self._active -= 1
                 return
         await self.starlette(scope, receive, send)
+
+    # --- lifecycle ----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         counters = await asyncio.to_thread(load_counters, self.policy)
-        session = make_session(self.policy)
-        state = create_state(self.redis_url, self.state_prefix)
-        rt = build_runtime(self.policy, self.metrics, session, state, counters, time.time())
-        await rt.backends.probe_all(session)
-        self.runtime = rt
-        app.state.runtime = rt
-        sig = self.policy.signals
-        targets = [(b.pool, b.name, b.url + "/metrics", self.policy.pools[b.pool].engine)
-                   for b in rt.backends.all() if self.policy.pools[b.pool].engine != "openai"]
-        # One scrape before serving: capacities come from the engines, not the ledger, from
-        # the first request on.
-        await asyncio.gather(*(rt.scraper.scrape(session, pool, name, url, engine,
-                                                 sig.scrape_timeout_s)
-                               for pool, name, url, engine in targets))
-        for (pool, name), sample in rt.scraper.samples.items():
-            rt.admission.on_engine_sample(pool, name, sample)
-        tasks = [asyncio.create_task(rt.backends.run_prober(session), name="health-prober"),
-                 asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag"),
-                 asyncio.create_task(rt.admission.run(), name="admission"),
-                 asyncio.create_task(rt.scraper.run(
-                     session, targets, sig.scrape_interval_s, sig.scrape_timeout_s,
-                     rt.admission.on_engine_sample), name="engine-scraper")]
+        self._counters = {m.name: (m.tokenizer, counters[m.name]) for m in self.policy.models}
+        self._session = make_session(self.policy)
+        self._state = create_state(self.redis_url, self.state_prefix)
+        rt = await self._build(self.policy, counters, None)
+        self._install(rt, None)
+        lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
         self.metrics.install_gc_callback()
         gc.collect()
         gc.freeze()
@@ -111,14 +146,108 @@ class GatewayApp:
         try:
             yield
         finally:
-            for task in tasks:
+            lag.cancel()
+            for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(lag, *self._tasks, return_exceptions=True)
             self.metrics.remove_gc_callback()
-            await session.close()
-            await state.close()
-            for counter in counters.values():
+            await self._session.close()
+            await self._state.close()
+            for _, counter in self._counters.values():
                 counter.close()
+
+    async def _build(self, policy: Policy, counters: dict[str, TokenCounter],
+                     old: Runtime | None) -> Runtime:
+        assert self._session is not None and self._state is not None
+        rt = build_runtime(policy, self.metrics, self._session, self._state, counters,
+                           time.time(), old.output_lengths if old else None)
+        await rt.backends.probe_all(self._session)
+        # One scrape before serving: capacities come from the engines, not the ledger, from
+        # the first request on.
+        await asyncio.gather(*(rt.scraper.scrape(self._session, pool, name, url, engine,
+                                                 policy.signals.scrape_timeout_s)
+                               for pool, name, url, engine in _targets(rt)))
+        for (pool, name), sample in rt.scraper.samples.items():
+            rt.admission.on_engine_sample(pool, name, sample)
+        return rt
+
+    def _install(self, rt: Runtime, old: Runtime | None) -> None:
+        assert self._session is not None
+        old_tasks = self._tasks
+        self.runtime = rt
+        self.policy = rt.policy
+        self.max_active = rt.policy.server.max_concurrent_requests
+        self.starlette.state.runtime = rt
+        sig = rt.policy.signals
+        self._tasks = [
+            asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),
+            asyncio.create_task(rt.admission.run(), name="admission"),
+            asyncio.create_task(rt.scraper.run(self._session, _targets(rt),
+                                               sig.scrape_interval_s, sig.scrape_timeout_s,
+                                               rt.admission.on_engine_sample),
+                                name="engine-scraper"),
+        ]
+        for task in old_tasks:
+            if task.get_name() == "admission" and old is not None:
+                # Retired once the last request admitted through it is done.
+                self._retirements.add(asyncio.create_task(_retire(task, old)))
+            else:
+                task.cancel()
+
+    async def reload(self) -> ReloadResult:
+        """Validate and swap in the policy file; on any problem the old policy stays."""
+        if self.policy_path is None:
+            return ReloadResult(False, ["no policy file to reload (started without one)"])
+        async with self._reload_lock:
+            try:
+                policy = await asyncio.to_thread(load_policy, self.policy_path)
+                counters = await asyncio.to_thread(self._counters_for, policy)
+            except PolicyError as exc:
+                return self._reload_failed(exc.render().splitlines())
+            except TokenizerError as exc:
+                return self._reload_failed([f"{self.policy_path}: tokenizer: {exc}"])
+            old = self.runtime
+            rt = await self._build(policy, counters, old)
+            self._install(rt, old)
+            self.loaded_at = time.time()
+            self.reloads["ok"] += 1
+            self.last_reload_error = None
+            self.metrics.policy_reloads.labels("ok").inc()
+            log.warning("policy reloaded from %s", self.policy_path)
+            return ReloadResult(True)
+
+    def _reload_failed(self, problems: list[str]) -> ReloadResult:
+        self.reloads["invalid"] += 1
+        self.last_reload_error = "\n".join(problems)
+        self.metrics.policy_reloads.labels("invalid").inc()
+        log.error("policy reload refused; the old policy stays in force:\n%s",
+                  self.last_reload_error)
+        return ReloadResult(False, problems)
+
+    def _counters_for(self, policy: Policy) -> dict[str, TokenCounter]:
+        """Reuse the tokenizers whose spec did not change; load the new ones."""
+        out: dict[str, TokenCounter] = {}
+        for m in policy.models:
+            spec, counter = self._counters.get(m.name, (None, None))
+            if counter is None or spec != m.tokenizer:
+                counter = TokenCounter(load_tokenizer(m.tokenizer),
+                                       policy.server.max_prompt_chars)
+                self._counters[m.name] = (m.tokenizer, counter)
+            counter.max_prompt_chars = policy.server.max_prompt_chars
+            out[m.name] = counter
+        return out
+
+
+def _targets(rt: Runtime) -> list[tuple[str, str, str, str]]:
+    return [(b.pool, b.name, b.url + "/metrics", rt.policy.pools[b.pool].engine)
+            for b in rt.backends.all() if rt.policy.pools[b.pool].engine != "openai"]
+
+
+async def _retire(task: asyncio.Task[None], rt: Runtime) -> None:
+    """Stop a replaced runtime's admission ticks once nothing runs or waits through it."""
+    while rt.admission.live or any(len(p.queue) for p in rt.admission.pools.values()):
+        await asyncio.sleep(0.5)
+    task.cancel()
 
 
 async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
@@ -129,6 +258,17 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
         start = loop.time()
         await asyncio.sleep(LAG_INTERVAL_S)
         observe(max(0.0, loop.time() - start - LAG_INTERVAL_S))
+
+
+_BUSY = error_body("The gateway is handling as many requests as it is configured to; "
+                   "retry shortly.", "service_unavailable", None, "server_busy")
+
+
+async def _busy(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                            (b"content-length", str(len(_BUSY)).encode())]})
+    await send({"type": "http.response.body", "body": _BUSY, "more_body": False})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -144,5 +284,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(policy: Policy, metrics: GatewayMetrics | None = None,
-               redis_url: str | None = None, state_prefix: str = "gw") -> GatewayApp:
-    return GatewayApp(policy, metrics, redis_url, state_prefix)
+               redis_url: str | None = None, state_prefix: str = "gw",
+               policy_path: str | None = None, admin_routes: bool = True) -> GatewayApp:
+    return GatewayApp(policy, metrics, redis_url, state_prefix, policy_path, admin_routes)
+

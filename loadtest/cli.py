@@ -13,6 +13,10 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("loadtest.sim.cli", "run a simulated vLLM-like engine (OpenAI API) on loopback"),
+    "run": ("loadtest.run_cli", "replay a trace or synthetic load; report TTFT, TPOT, goodput"),
+    "sweep": ("loadtest.sweep", "run a load at several rates and find the knee"),
+    "calibrate": ("loadtest.calibrate", "sweep a pool's engines; write learned thresholds"),
+    "gate": ("loadtest.gate", "compare two runs; fail on a performance regression"),
 }
 
 

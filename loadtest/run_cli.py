@@ -188,6 +188,14 @@ async def run_once(urls: list[str], model: str, builder: PromptBuilder, prep: Pr
     return report, outcome
 
 
+def write_json(path: str, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
 def note(message: str) -> None:
     print(f"loadtest: {message}", file=sys.stderr)
 
@@ -209,7 +217,7 @@ async def _run(args: argparse.Namespace) -> int:
     for warning in warnings_for(report):
         note(f"warning: {warning}")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_json(args.out, report)
         note(f"report written to {args.out}")
     if args.plot:
         from loadtest.plot import plot_run

@@ -17,7 +17,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -43,7 +43,7 @@ class LoadShape:
 
     rate: float | None = None
     concurrency: int | None = None
-    arrival: Arrival = Arrival("poisson")
+    arrival: Arrival = field(default_factory=lambda: Arrival("poisson"))
     time_compress: float = 1.0
     duration_s: float = 60.0
     max_requests: int = 10_000
@@ -312,7 +312,7 @@ class Runner:
 
         tasks = {asyncio.create_task(worker(k)): (k, 0.0) for k in range(workers)}
         # Workers stop sending at the deadline; drain bounds the requests they still read.
-        done, pending = await asyncio.wait(
+        _, pending = await asyncio.wait(
             list(tasks), timeout=self.shape.duration_s + ramp + self.shape.drain_s)
         for task in pending:
             task.cancel()

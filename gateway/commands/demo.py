@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         _print_usage(policy, args.port)
         from gateway.commands.serve import serve
 
-        serve(policy, "127.0.0.1", args.port)
+        serve(policy, "127.0.0.1", args.port, policy_path=args.policy)
     finally:
         _stop(engines)
         print("gateway demo: stopped the gateway and its simulated engines", file=sys.stderr)

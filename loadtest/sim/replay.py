@@ -6,7 +6,9 @@ model replay in well under a second, and the same inputs always give the same nu
 Two load shapes, as serving benchmarks use them:
 - open loop: requests arrive at given times (`request_rate`, Poisson or all at once);
 - closed loop: `concurrency` clients, each sending its next request when the previous finishes.
-A request that arrives while a step runs is scheduled at the next step, as in a real engine.
+A request reaches the engine's waiting queue `frontend_s` after it arrives (the API server's
+time, `steptime.FRONTEND_LATENCY_S`); one that reaches it while a step runs is scheduled at the
+next step, as in a real engine. Latencies (TTFT, E2E) count from the arrival, as a client does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from loadtest.sim.config import EngineSpec
 from loadtest.sim.engine import EngineCore
 from loadtest.sim.scheduler import SimRequest
+from loadtest.sim.steptime import FRONTEND_LATENCY_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +87,19 @@ class ReplayResult:
 
 
 def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
-           closed_loop: Sequence[WorkItem] = (), concurrency: int = 0) -> ReplayResult:
+           closed_loop: Sequence[WorkItem] = (), concurrency: int = 0,
+           frontend_s: float = FRONTEND_LATENCY_S) -> ReplayResult:
     """Open-loop `arrivals` (time, item), and/or a closed loop of `concurrency` clients that
-    work through `closed_loop` in order. Returns once every request has finished."""
+    work through `closed_loop` in order. Returns once every request has finished.
+    `frontend_s`: from a request's arrival to its entry into the engine's waiting queue."""
     core = EngineCore(spec)
-    heap: list[tuple[float, int, WorkItem]] = []
+    heap: list[tuple[float, int, float, WorkItem]] = []  # (enters the engine, seq, arrival, item)
     seq = itertools.count()
     for at, item in arrivals:
-        heapq.heappush(heap, (at, next(seq), item))
+        heapq.heappush(heap, (at + frontend_s, next(seq), at, item))
     backlog = iter(closed_loop)
     for item in itertools.islice(backlog, concurrency):
-        heapq.heappush(heap, (0.0, next(seq), item))
+        heapq.heappush(heap, (frontend_s, next(seq), 0.0, item))
 
     traces: dict[str, RequestTrace] = {}  # by request id (id() of a freed request is reused)
     now = 0.0
@@ -102,7 +107,7 @@ def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
     peak_running = peak_waiting = 0
     while True:
         while heap and heap[0][0] <= now:
-            at, n, item = heapq.heappop(heap)
+            _, n, at, item = heapq.heappop(heap)
             request = SimRequest(
                 request_id=str(n), prompt_tokens=item.prompt_tokens,
                 max_tokens=item.output_tokens, target_tokens=item.output_tokens,
@@ -128,7 +133,7 @@ def replay(spec: EngineSpec, arrivals: Sequence[tuple[float, WorkItem]] = (),
             trace.queued_s = (request.first_scheduled_time or now) - request.arrival_time
             nxt = next(backlog, None)
             if nxt is not None:
-                heapq.heappush(heap, (now, next(seq), nxt))
+                heapq.heappush(heap, (now + frontend_s, next(seq), now, nxt))
     ordered = [traces[k] for k in sorted(traces, key=lambda k: traces[k].arrival)]
     return ReplayResult(ordered, now, core.steps, core.scheduler.num_preemptions, peak_usage,
                         peak_running, peak_waiting)

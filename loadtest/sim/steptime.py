@@ -57,6 +57,17 @@ STEP_OVERHEAD_S = 1.5e-3
 PER_SEQUENCE_OVERHEAD_S = 4e-6
 # Activations cross the all-reduce in 16-bit even when weights are FP8.
 ACTIVATION_BYTES = 2
+# Not GPU time: the API server's share of a request's latency, which a client sees in its TTFT
+# and the roofline does not. vLLM V1 runs the HTTP server in its own process: request parsing
+# and validation, the chat template, tokenization, then a ZMQ message to the EngineCore process,
+# which picks the request up at its next step; on the way back the first token crosses ZMQ
+# again, is detokenized by the output processor, serialised as a chunk and written as SSE.
+# Measured end to end as client TTFT minus vLLM's own TTFT histogram (which starts once the
+# request is tokenized): 8-12 ms for 512-token prompts (vLLM PR #54628, V1, `vllm bench serve`),
+# plus ~1 ms for the two ZMQ hops and the output processor. One value for every case, applied
+# once per request between its arrival and its entry into the waiting queue (at light load only
+# the sum of the input and output halves shows; under load the engine's queue dominates).
+FRONTEND_LATENCY_S = 12e-3
 
 
 @dataclass(frozen=True, slots=True)

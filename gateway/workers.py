@@ -1,0 +1,124 @@
+"""`gateway serve --workers N`: N gateway processes on one port, one `/metrics` for them all.
+
+The parent binds the port, starts N workers (fresh interpreters: `spawn`) that accept on the
+same socket, and passes on signals: SIGHUP (reload the policy) to every worker, SIGTERM or
+SIGINT (drain and stop) likewise. A worker that dies stops the others and the parent exits
+non-zero, so the supervisor above (Docker, Kubernetes, systemd) restarts a whole replica
+rather than one that silently runs with fewer workers.
+
+What the workers must share, and how:
+
+- admission: each worker admits on its own, so reservations must live in Redis: `--workers`
+  needs `--redis-url` (with per-process memory N workers would admit N times the budget);
+- metrics: a scrape reaches one worker at random, so every worker writes its samples to files
+  in one directory (prometheus_client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR) and
+  `/metrics` merges them: counters and histograms add up, each gauge combines as its
+  `multiprocess_mode` in gateway/metrics.py says.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+log = logging.getLogger("gateway.workers")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STOP_TIMEOUT_S = 15.0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def metrics_dir() -> tuple[str, bool]:
+    """The directory the workers write their samples to, emptied; and whether we made it."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if not path:
+        return tempfile.mkdtemp(prefix="gateway-metrics-"), True
+    os.makedirs(path, exist_ok=True)
+    # Files left by an earlier run would add its counts to this one's.
+    for name in glob.glob(os.path.join(path, "*.db")):
+        os.remove(name)
+    return path, False
+
+
+def run(workers: int, host: str, port: int, serve_kwargs: dict[str, Any]) -> int:
+    """Serve with `workers` processes until a signal stops them; the exit status."""
+    sock = bind(host, port)
+    path, made = metrics_dir()
+    # Set before the workers start: prometheus_client picks its file-backed values when a
+    # process first imports it.
+    os.environ[MULTIPROC_ENV] = path
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(sock, serve_kwargs), name=f"gateway-worker-{i}")
+             for i in range(workers)]
+    pending: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        pending.append(signum)
+
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    status = 0
+    stopping = False
+    try:
+        for p in procs:
+            p.start()
+        log.info("gateway: %d workers on %s:%d, metrics merged from %s", workers, host, port,
+                 path)
+        while True:
+            ended = wait([p.sentinel for p in procs], timeout=0.2)
+            while pending:
+                signum = pending.pop(0)
+                if signum != signal.SIGHUP:
+                    stopping = True
+                _send(procs, signal.SIGHUP if signum == signal.SIGHUP else signal.SIGTERM)
+            if stopping and all(not p.is_alive() for p in procs):
+                break
+            if ended and not stopping:
+                dead = [p for p in procs if not p.is_alive()]
+                log.error("gateway: worker %s exited with %s; stopping the others",
+                          dead[0].pid, dead[0].exitcode)
+                status = 1
+                stopping = True
+                _send(procs, signal.SIGTERM)
+    finally:
+        for p in procs:
+            p.join(STOP_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        sock.close()
+        if made:
+            shutil.rmtree(path, ignore_errors=True)
+    return status
+
+
+def _send(procs: Sequence[multiprocessing.process.BaseProcess], signum: int) -> None:
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            os.kill(p.pid, signum)
+
+
+def _worker(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:
+    from gateway.commands.serve import serve
+    from gateway.policy import load_policy
+
+    # The parent checked this file a moment ago; a worker that cannot load it must not serve.
+    policy = load_policy(serve_kwargs["policy_path"])
+    serve(policy, sockets=[sock], **serve_kwargs)

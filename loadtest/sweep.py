@@ -1,0 +1,221 @@
+"""`loadtest sweep`: the same load at rising rates, and the knee where the SLOs stop holding.
+
+The knee is the highest offered rate at which SLO attainment (requests meeting every SLO, as a
+share of all sent: a rejection or an error is a miss) is still at or above the target, with
+every lower rate above it too: past the first failing rate, a lucky higher one is noise, not
+capacity. `--rates auto` doubles from `--start-rate` until a step fails, then bisects between
+the last passing and the first failing rate; every search is bounded by `--max-steps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.report import SloError
+from loadtest.run_cli import (
+    Prepared,
+    UsageError,
+    add_load_options,
+    fail,
+    make_builder,
+    note,
+    prepare,
+    run_once,
+    write_json,
+)
+from loadtest.runner import Runner, TargetError, check_url, is_loopback, resolve_model
+from loadtest.workload import PromptBuilder, WorkloadError
+
+DEFAULT_TARGET = 99.0
+StepHook = Callable[[float, Runner], "asyncio.Task[Any] | None"]
+
+
+def add_sweep_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rates", default="auto",
+                   help="offered rates (req/s) to run in turn, e.g. 1,2,4,8, or auto (default)")
+    p.add_argument("--start-rate", type=float, default=1.0,
+                   help="--rates auto: the first rate (default 1 req/s)")
+    p.add_argument("--max-steps", type=int, default=8,
+                   help="--rates auto: at most this many runs (default 8)")
+    p.add_argument("--target-attainment", type=float, default=DEFAULT_TARGET, metavar="PCT",
+                   help=f"SLO attainment the knee must keep, percent (default {DEFAULT_TARGET:g})")
+    p.add_argument("--pause", type=float, default=1.0, metavar="S",
+                   help="idle seconds between steps, so one step's tail does not load the next")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_load_options(p, pace=False)
+    add_sweep_options(p)
+    p.add_argument("--out", metavar="FILE.json", help="write every step's report and the knee")
+    p.add_argument("--plot", metavar="FILE.png", help="latency percentiles and goodput vs load")
+
+
+def parse_rates(text: str) -> list[float] | None:
+    """None for auto; else the rates, ascending, each positive."""
+    if text.strip() == "auto":
+        return None
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise UsageError(f"--rates {text!r}: expected positive numbers like 1,2,4,8, or auto")
+    return sorted(set(rates))
+
+
+@dataclass
+class Sweep:
+    target_pct: float
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def passed(self, step: dict[str, Any]) -> bool:
+        att = step["report"].get("slo_attainment_pct")
+        return att is not None and att >= self.target_pct
+
+    @property
+    def knee(self) -> float | None:
+        best: float | None = None
+        for step in sorted(self.steps, key=lambda s: float(s["offered"])):
+            if not self.passed(step):
+                break
+            best = float(step["offered"])
+        return best
+
+    def knee_step(self) -> dict[str, Any] | None:
+        knee = self.knee
+        return next((s for s in self.steps if s["offered"] == knee), None)
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def step_line(step: dict[str, Any]) -> str:
+    r = step["report"]
+    return (f"{step['offered']:>8g} {r['sent']:>6} {_fmt(r['request_throughput'], 2):>8} "
+            f"{_fmt(r['request_goodput'], 2):>8} {_fmt(r['slo_attainment_pct']):>7} "
+            f"{_fmt(r['median_ttft_ms']):>9} {_fmt(r['p99_ttft_ms']):>9} "
+            f"{_fmt(r['median_tpot_ms']):>8} {_fmt(r['p99_tpot_ms']):>8} "
+            f"{_fmt(r['rejection_rate_pct']):>6} {_fmt(r['error_rate_pct']):>6}")
+
+
+HEADER = (f"{'rate':>8} {'sent':>6} {'req/s':>8} {'goodput':>8} {'SLO%':>7} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'TPOT p50':>8} {'TPOT p99':>8} {'rej%':>6} {'err%':>6}")
+
+
+async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: Prepared,
+                    args: argparse.Namespace, rates: list[float] | None,
+                    hook: StepHook | None = None) -> Sweep:
+    """Run the steps (a list, or the auto search) and return them with the knee."""
+    sweep = Sweep(args.target_attainment)
+    print(HEADER, flush=True)
+
+    async def step(rate: float) -> bool:
+        if sweep.steps:
+            await asyncio.sleep(args.pause)
+        shape = dataclasses.replace(prep.shape, rate=rate)
+        report, _ = await run_once(
+            urls, model, builder, prep, args, shape,
+            runner_hook=(lambda runner: hook(rate, runner)) if hook is not None else None)
+        entry: dict[str, Any] = {"offered": rate, "report": report}
+        sweep.steps.append(entry)
+        print(step_line(entry), flush=True)
+        return sweep.passed(entry)
+
+    if rates is not None:
+        for rate in rates:
+            await step(rate)
+        return sweep
+    # auto: double up to the first failing rate, then bisect; all within max_steps runs.
+    budget = max(2, args.max_steps)
+    rate = args.start_rate
+    good: float | None = None
+    bad: float | None = None
+    while budget > 0:
+        budget -= 1
+        if await step(rate):
+            good = rate
+            if bad is not None:
+                break
+            rate *= 2
+        else:
+            bad = rate
+            if good is not None:
+                break
+            rate /= 2  # even the start rate fails: look lower, still bounded by the budget
+    while budget > 0 and good is not None and bad is not None and bad / good > 1.15:
+        budget -= 1
+        mid = round(math.sqrt(good * bad), 3)
+        if await step(mid):
+            good = mid
+        else:
+            bad = mid
+    return sweep
+
+
+def summary(sweep: Sweep, prep: Prepared, args: argparse.Namespace) -> dict[str, Any]:
+    return {"sweep": {"target_attainment_pct": sweep.target_pct, "knee_rate": sweep.knee,
+                      "slo": args.slo, "workload": prep.workload.source,
+                      "arrival": prep.shape.arrival.describe(), "duration_s": args.duration,
+                      "rates": [s["offered"] for s in sweep.steps]},
+            "steps": sorted(sweep.steps, key=lambda s: float(s["offered"]))}
+
+
+async def _run(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.rates)
+    if not 0 < args.target_attainment <= 100:
+        raise UsageError("--target-attainment must be within (0, 100]")
+    if args.start_rate <= 0:
+        raise UsageError("--start-rate must be positive")
+    # A placeholder rate makes prepare() check everything else; each step sets its own.
+    prep = prepare(args, rate=(rates or [args.start_rate])[0])
+    if not prep.slo:
+        raise UsageError("a sweep needs --slo (e.g. ttft=2s,tpot=60ms): the knee is where "
+                         "SLO attainment drops")
+    url = check_url(args.url)
+    if not is_loopback(url):
+        note(f"target {url} is not on loopback: sending load there because you named it")
+    model = await resolve_model([url], args.model, prep.headers)
+    builder = make_builder(args, model)
+    sweep = await run_sweep([url], model, builder, prep, args, rates)
+    knee = sweep.knee
+    if knee is None:
+        print(f"knee: none: even the lowest rate kept SLO attainment under "
+              f"{sweep.target_pct:g}%")
+    else:
+        print(f"knee: {knee:g} req/s (the highest rate keeping SLO attainment >= "
+              f"{sweep.target_pct:g}%)")
+    if args.out:
+        write_json(args.out, summary(sweep, prep, args))
+        note(f"sweep written to {args.out}")
+    if args.plot:
+        from loadtest.plot import plot_sweep
+
+        plot_sweep(sorted(sweep.steps, key=lambda s: float(s["offered"])), knee, args.plot,
+                   f"{model} - {prep.workload.source} - SLO {args.slo}")
+        note(f"plot written to {args.plot}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        from loadtest.plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except RuntimeError as exc:
+            return fail(str(exc))
+    try:
+        return asyncio.run(_run(args))
+    except (UsageError, WorkloadError, SloError) as exc:
+        return fail(str(exc))
+    except TargetError as exc:
+        return fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
