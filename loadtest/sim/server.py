@@ -26,7 +26,13 @@ from typing import Any
 import orjson
 import uvicorn
 
-from gateway.cost import RequestCostError, TokenCounter, Tokenizer, load_tokenizer
+from gateway.cost import (
+    RequestCostError,
+    TokenCounter,
+    Tokenizer,
+    load_tokenizer,
+    openai_messages,
+)
 from loadtest.sim import prompts, sse
 from loadtest.sim.config import SimConfig
 from loadtest.sim.engine import EngineCore
@@ -50,6 +56,7 @@ from loadtest.sim.protocol import (
     parse_json,
 )
 from loadtest.sim.scheduler import SimRequest, Status
+from loadtest.sim.steptime import FRONTEND_LATENCY_S
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -190,7 +197,8 @@ class SimApp:
 
     async def _generate(self, receive: Receive, send: Send,
                         parse: Callable[[dict[str, Any]], ParsedRequest]) -> None:
-        arrival = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
         raw = await _read_body(receive)
         try:
             parsed = parse(parse_json(raw))
@@ -204,6 +212,11 @@ class SimApp:
                                          parsed.max_tokens)
             if error is not None:
                 raise error
+            # The API server's time (steptime.FRONTEND_LATENCY_S) before the request reaches the
+            # engine's queue; this process's own parsing and tokenizing count towards it.
+            frontend = arrival + FRONTEND_LATENCY_S * self.spec.time_scale - loop.time()
+            if frontend > 0:
+                await asyncio.sleep(frontend)
             limit = self.spec.max_num_queued_reqs
             if limit is not None and self.core.num_unfinished >= limit:
                 raise ApiError(503, f"The server is overloaded: {self.core.num_unfinished} "
@@ -242,9 +255,13 @@ class SimApp:
         assert self.counter is not None, "SimApp.startup() was not run"
         block = self.spec.block_size
         caching = self.spec.enable_prefix_caching
+        messages: list[dict[str, Any]] = []
         try:
             if parsed.kind == "chat":
-                tokens = await self.counter.count_chat(parsed.messages, parsed.tools,
+                # vLLM's normalisation before the template (null content -> "", text parts
+                # joined, tool-call arguments parsed), as the gateway counts.
+                messages = openai_messages(parsed.messages)
+                tokens = await self.counter.count_chat(messages, parsed.tools,
                                                        **parsed.template_kwargs)
             elif parsed.prompt_ids is not None:
                 tokens = len(parsed.prompt_ids)
@@ -260,7 +277,7 @@ class SimApp:
         elif parsed.prompt_ids is not None:
             hashes = prompts.from_token_ids(parsed.prompt_ids, block)
         elif parsed.kind == "chat":
-            hashes = prompts.from_messages(parsed.messages, parsed.tools, tokens, block)
+            hashes = prompts.from_messages(messages, parsed.tools, tokens, block)
         else:
             hashes = prompts.from_text(parsed.prompt_text or "", tokens, block)
         return tokens, hashes
