@@ -28,6 +28,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_bytes = 0
         self._head_done = False
+        self._discarding = False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -39,6 +40,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return  # after a 431: read and drop the rest, so closing sends FIN, not RST
         if self._head_done:
             super().data_received(data)
             return
@@ -53,7 +56,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                 b"content-type: application/json\r\nconnection: close\r\n"
                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            self.transport.close()
+            # Closing with unread bytes in the socket would reset the connection and the
+            # client might never read the 431; drain for a moment, then close.
+            self._discarding = True
+            self.loop.call_later(1.0, self.transport.close)
 
 
 def _config(app: Any, host: str, port: int, max_concurrency: int | None,
