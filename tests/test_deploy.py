@@ -72,7 +72,7 @@ def compose_schema() -> dict[str, Any]:
 
 
 def test_compose_file_matches_the_compose_spec_schema(compose_schema: dict[str, Any]) -> None:
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     validator = jsonschema.Draft201909Validator(compose_schema)
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '<top>'}: {e.message}"
@@ -179,7 +179,7 @@ def k8s_resources() -> list[dict[str, Any]]:
 
 def test_k8s_manifests_match_the_kubernetes_schemas() -> None:
     try:
-        import kubernetes_validate
+        import kubernetes_validate  # type: ignore[import-untyped]
     except ImportError:
         pytest.fail("kubernetes-validate is not installed: `pip install -e '.[dev]'` "
                     "(make test does it)")

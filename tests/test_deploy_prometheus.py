@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
@@ -117,7 +118,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "", expr)
     expr = re.sub(r"\[[^\]]*\]", "", expr)
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    names = set()
+    names: set[str] = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
         word = m.group()
         after = expr[m.end():].lstrip()
@@ -131,7 +132,7 @@ def exported_names(url: str) -> set[str]:
     """Every series name a /metrics page declares, even families with no samples yet."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    names = set()
+    names: set[str] = set()
     for family in text_string_to_metric_families(text):
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))
@@ -345,11 +346,12 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         outcomes = load.finish()
 
         samples = [scrape(gw.url) for gw in gateways]
-        total = {name: sum(metric(s, name, **labels) for s in samples) for name, labels in (
-            ("gateway_admission_decisions_total", {"decision": "queued"}),
-            ("gateway_admission_decisions_total", {"decision": "rejected"}),
-            ("gateway_upstream_errors_total", {}),
-            ("gateway_state_errors_total", {}))}
+        total = {what: sum(metric(s, name, **labels) for s in samples)
+                 for what, name, labels in (
+                     ("queued", "gateway_admission_decisions_total", {"decision": "queued"}),
+                     ("rejected", "gateway_admission_decisions_total", {"decision": "rejected"}),
+                     ("upstream errors", "gateway_upstream_errors_total", {}),
+                     ("state errors", "gateway_state_errors_total", {}))}
         assert all(total.values()), f"the load did not cause everything: {total}, {outcomes}"
         assert outcomes.get("503"), outcomes
 
