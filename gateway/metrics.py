@@ -124,7 +124,7 @@ class GatewayMetrics:
             children = self._children[key] = (
                 self.duration.labels(pool), self.ttft.labels(pool), self.tpot.labels(pool),
                 self.inflight.labels(pool))
-        return children  # type: ignore[no-any-return]
+        return children
 
     def install_gc_callback(self) -> None:
         """Time every collection: a full one stalls every open stream for its duration."""

@@ -43,7 +43,8 @@ class ModelProfile:
                       "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
-                raise ProfileError(f"architecture.{field}: must be a positive integer, got {value!r}")
+                raise ProfileError(
+                    f"architecture.{field}: must be a positive integer, got {value!r}")
         if self.params <= 0:
             raise ProfileError(f"architecture.params: must be positive, got {self.params!r}")
         if self.num_attention_heads % self.num_kv_heads:

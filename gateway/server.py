@@ -91,7 +91,7 @@ def run(app: Any, host: str, port: int, *, max_header_bytes: int,
             loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(on_sighup()))
         tasks = [asyncio.create_task(s.serve(sockets if s is main else None))
                  for s in servers]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for s in servers:  # one stopped (signal): stop the other too
             s.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)

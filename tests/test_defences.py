@@ -7,7 +7,6 @@ import http.client
 import json
 import socket
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

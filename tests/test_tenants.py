@@ -104,7 +104,7 @@ class EchoEngine:
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", self.port).start()
             self._ready.set()
-            while not self._stop:
+            while not self._stop:  # noqa: ASYNC110 - set from another thread
                 await asyncio.sleep(0.05)
             await runner.cleanup()
 

@@ -168,7 +168,8 @@ class Admission:
         capacity = ps.capacity[backend]
         limit = int(capacity * (ps.thresholds.kv_usage_max.value or 1.0))
         sample = self.scraper.fresh(ps.name, backend)
-        if sample is not None and sample.kv_usage is not None and capacity < UNKNOWN_CAPACITY_BLOCKS:
+        known = capacity < UNKNOWN_CAPACITY_BLOCKS
+        if sample is not None and sample.kv_usage is not None and known:
             # Blocks in use that we did not reserve (other traffic, another gateway) are taken.
             external = sample.kv_usage * capacity - ps.reserved.get(backend, 0)
             if external > 0:

@@ -22,6 +22,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.accesslog import log_exchange, log_rejection
+from gateway.admission.controller import Ask, Ticket
+from gateway.costing import cost_request
 from gateway.protocol import (
     BodyTooLarge,
     Endpoint,
@@ -30,8 +32,6 @@ from gateway.protocol import (
     error_body,
     parse_request,
 )
-from gateway.admission.controller import Ask, Ticket
-from gateway.costing import cost_request
 from gateway.proxy import ClientGone, Exchange
 from gateway.runtime import Runtime
 from gateway.tenants import QuotaTicket
@@ -48,7 +48,8 @@ def new_request_id() -> str:
     return f"gw-{_ID_PREFIX}-{next(_ids)}"
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int,
+                    timeout_s: float) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise BodyTooLarge(f"The request body is {int(value)} bytes; the limit is "
@@ -56,7 +57,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
     parts: list[bytes] = []
     size = 0
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(timeout_s):
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -69,7 +70,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
                 if not message.get("more_body", False):
                     break
     except TimeoutError:
-        raise RequestTimeout(f"The request body did not arrive within {timeout:g}s.") from None
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g}s.") from None
     return b"".join(parts)
 
 

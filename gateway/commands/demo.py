@@ -67,7 +67,7 @@ def _backends(policy: Policy) -> list[tuple[str, str, str, int]]:
 
 
 def _check_ports(policy: Policy, gateway_port: int) -> str | None:
-    for pool, name, host, port in _backends(policy):
+    for pool, name, host, _ in _backends(policy):
         if host not in LOOPBACK:
             return (f"backend {pool}/{name} is at {host}; the demo only simulates engines on "
                     "loopback")

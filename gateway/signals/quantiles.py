@@ -22,7 +22,7 @@ class WindowedQuantiles:
     def __init__(self, window_s: float = 30.0, slice_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.slice_s = slice_s
-        self.slices = max(1, int(math.ceil(window_s / slice_s)))
+        self.slices = max(1, math.ceil(window_s / slice_s))
         self.clock = clock
         self._counts = [[0] * (len(_EDGES) + 1) for _ in range(self.slices)]
         self._totals = [0] * self.slices

@@ -29,5 +29,6 @@ def create_state(url: str | None, prefix: str = "gw") -> StateBackend:
     raise ValueError(f"--redis-url: expected redis://host:port[/db], got {url!r}")
 
 
-__all__ = ["Bucket", "BucketResult", "Lease", "Limits", "MemoryState", "PoolUsage", "ReserveResult", "StateBackend",
+__all__ = ["Bucket", "BucketResult", "Lease", "Limits", "MemoryState", "PoolUsage",
+           "ReserveResult", "StateBackend",
            "StateError", "create_state"]

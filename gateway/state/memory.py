@@ -36,7 +36,7 @@ class MemoryState(StateBackend):
     def _purge(self) -> None:
         now = self.clock()
         while self._expiry and self._expiry[0][0] <= now:
-            expiry, pool, lease_id = heapq.heappop(self._expiry)
+            _, pool, lease_id = heapq.heappop(self._expiry)
             entry = self._leases.get((pool, lease_id))
             if entry is not None and entry[1] <= now:
                 self._drop(entry[0])

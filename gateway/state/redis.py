@@ -8,7 +8,6 @@ what that means (fail open or closed).
 
 from __future__ import annotations
 
-import asyncio
 from importlib import resources
 from typing import Any
 
@@ -63,7 +62,7 @@ class RedisState(StateBackend):
     async def _call(self, coro: Any) -> Any:
         try:
             return await coro
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
 
     async def reserve(self, lease: Lease, limits: Limits, ttl_s: float) -> ReserveResult:
@@ -77,7 +76,8 @@ class RedisState(StateBackend):
         return ReserveResult(bool(ok), int(blocks), int(tokens), _text(reason))
 
     async def release(self, lease: Lease) -> None:
-        await self._call(self._release(keys=pool_keys(lease.pool, self.prefix), args=[lease.lease_id]))
+        await self._call(self._release(keys=pool_keys(lease.pool, self.prefix),
+                                       args=[lease.lease_id]))
 
     async def refresh(self, leases: list[Lease], ttl_s: float) -> None:
         by_pool: dict[str, list[str]] = {}
@@ -85,7 +85,8 @@ class RedisState(StateBackend):
             by_pool.setdefault(lease.pool, []).append(lease.lease_id)
         ttl_ms = int(ttl_s * 1000)
         for pool, ids in by_pool.items():
-            await self._call(self._refresh(keys=pool_keys(pool, self.prefix)[:1], args=[ttl_ms, *ids]))
+            await self._call(self._refresh(keys=pool_keys(pool, self.prefix)[:1],
+                                           args=[ttl_ms, *ids]))
 
     async def usage(self, pool: str) -> PoolUsage:
         raw = await self._call(self._usage(keys=pool_keys(pool, self.prefix)))
