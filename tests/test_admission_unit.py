@@ -253,3 +253,24 @@ def test_stale_engine_sample_is_unknown() -> None:
     clock.now += 6  # older than metrics_max_age_s (5 s): unknown, not "full" nor "idle"
     assert adm.scraper.fresh("default", "a") is None
     assert not adm._engine_full(adm.pools["default"], "a")
+
+
+def test_static_rule_sheds_on_engine_signals_only() -> None:
+    async def go() -> None:
+        adm, clock, _ = make(POLICY.replace("admission: {kv_usage_max: 1.0, queue_size: 2, "
+                                            "queue_wait_max_s: 5}", "admission: {mode: static}"))
+        t = await adm.admit(Ask("default", 10_000, 10**6))  # no reservation: anything goes
+        assert t.lease is None and t.reason == "static_rule"
+        adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+            'vllm:num_requests_waiting{model_name="m"} 6\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "vllm", clock.now)
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 1, 1))
+        assert err.value.headers["x-gateway-reason"] == "static_rule"
+        adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+            'vllm:num_requests_waiting{model_name="m"} 0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.85\n', "vllm", clock.now)
+        with pytest.raises(Overloaded):
+            await adm.admit(Ask("default", 1, 1))
+
+    asyncio.run(go())

@@ -202,6 +202,8 @@ class Admission:
                 raise Overloaded(f"The long-context pool is unavailable and pool `{ask.pool}` "
                                  f"already runs {cap} overflowed long request(s).",
                                  headers={"retry-after": "5"})
+        if ps.spec.admission.mode == "static":
+            return self._static(ps, ask)
         if ps.spec.admission.shadow:
             return await self._shadow(ps, ask)
         ticket, reason = await self._try(ps, ask)
@@ -209,6 +211,34 @@ class Admission:
             self._count(ask.pool, "admitted", reason)
             return ticket
         return await self._wait(ps, ask, reason)
+
+    def _static(self, ps: PoolState, ask: Ask) -> Ticket:
+        """The static rule: the least-loaded backend whose engine reports at most `waiting_max`
+        waiting and KV usage at most `kv_usage_max`; none: 503. No reservation, no queue."""
+        waiting_max = ps.thresholds.waiting_max.value
+        waiting_max = 5 if waiting_max is None else waiting_max
+        th = ps.thresholds.kv_usage_max
+        kv_max = th.value if th.source != "default" and th.value is not None else 0.8
+        now = self.clock()
+        best: Backend | None = None
+        for b in self.backends.pools[ps.name]:
+            if not b.available(now):
+                continue
+            s = self.scraper.fresh(ps.name, b.name)
+            if s is not None and ((s.waiting or 0) > waiting_max or
+                                  (s.kv_usage or 0) > kv_max):
+                continue
+            if best is None or b.outstanding < best.outstanding:
+                best = b
+        if best is None:
+            if not any(b.available(now) for b in self.backends.pools[ps.name]):
+                raise _no_backend(ps.name)
+            self._count(ps.name, "rejected", "static_rule")
+            raise Overloaded(f"Pool `{ps.name}` is at capacity: every engine reports more "
+                             f"than {waiting_max:g} waiting or KV usage over {kv_max:g}.",
+                             headers={"retry-after": "1", "x-gateway-reason": "static_rule"})
+        self._count(ps.name, "admitted", "static_rule")
+        return Ticket(ps.name, best, None, None, "admitted", "static_rule")
 
     async def _shadow(self, ps: PoolState, ask: Ask) -> Ticket:
         """Decide exactly as if enforcing and count it; then forward whatever was decided.

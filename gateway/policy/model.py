@@ -125,6 +125,10 @@ class AdmissionSpec(Strict):
     """
 
     enabled: bool = True
+    # reserve: KV reservations, queue, guard (this gateway's way). static: only the rule most
+    # inference gateways ship, for comparison: shed when the engine reports more than
+    # `waiting_max` (default 5) waiting or KV usage over `kv_usage_max` (default 0.8).
+    mode: Literal["reserve", "static"] = "reserve"
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None  # default 0.9
     inflight_tokens_max: PositiveInt | None = None  # default: no limit beyond KV
     waiting_max: Annotated[int, Field(ge=0)] | None = None  # engine queue; default: not used
