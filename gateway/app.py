@@ -23,7 +23,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -182,6 +182,7 @@ class GatewayApp:
         self._tasks = [
             asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),
             asyncio.create_task(rt.admission.run(), name="admission"),
+            asyncio.create_task(_every(5.0, rt.accountant.update), name="accounting"),
             asyncio.create_task(rt.scraper.run(self._session, _targets(rt),
                                                sig.scrape_interval_s, sig.scrape_timeout_s,
                                                rt.admission.on_engine_sample),
@@ -241,6 +242,12 @@ class GatewayApp:
 def _targets(rt: Runtime) -> list[tuple[str, str, str, str]]:
     return [(b.pool, b.name, b.url + "/metrics", rt.policy.pools[b.pool].engine)
             for b in rt.backends.all() if rt.policy.pools[b.pool].engine != "openai"]
+
+
+async def _every(period_s: float, fn: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        fn()
 
 
 async def _retire(task: asyncio.Task[None], rt: Runtime) -> None:

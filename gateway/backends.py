@@ -103,6 +103,9 @@ class Backends:
                 best = b
         return best
 
+    def pools_inflight(self, pool: str) -> int:
+        return sum(b.outstanding for b in self.pools[pool])
+
     def healthy(self, pool: str) -> list[Backend]:
         now = self.clock()
         return [b for b in self.pools[pool] if b.available(now)]

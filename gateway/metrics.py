@@ -99,9 +99,25 @@ class GatewayMetrics:
         self.policy_reloads = Counter(
             "gateway_policy_reloads_total", "Policy reloads by result: ok, invalid (the old "
             "policy stays in force).", ["result"], registry=r)
+        for result in ("ok", "invalid"):  # from 0, so the first failed reload is an increase
+            self.policy_reloads.labels(result)
         self.quota_rejections = Counter(
             "gateway_quota_rejections_total", "Requests refused with 429 for a tenant's token "
             "quota.", ["tenant"], registry=r)
+        # --- tokens and cost ---
+        self.tokens = Counter(
+            "gateway_tokens_total", "Tokens by the engines' usage: input (prompt computed), "
+            "cached (prompt from the prefix cache), output.", ["pool", "tenant", "kind"],
+            registry=r)
+        self.cost_per_hour = Gauge(
+            "gateway_cost_per_hour", "What the pool's GPUs cost per hour (policy cost model).",
+            ["pool"], registry=r)
+        self.cost_per_million = Gauge(
+            "gateway_cost_per_million_tokens", "Cost per million input or output tokens over "
+            "the pool's cost window.", ["pool", "kind"], registry=r)
+        self.tenant_cost = Counter(
+            "gateway_tenant_cost_total", "Spend attributed to tenants: their tokens at the "
+            "pool's current prices.", ["tenant", "pool"], registry=r)
         self.token_estimate_error = Histogram(
             "gateway_token_estimate_error_ratio",
             "Relative error of prompt-token estimates for models with tokenizer `none` "

@@ -26,6 +26,7 @@ from gateway.routing import Router
 
 _USAGE_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_USAGE_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 # Engine response headers worth passing on; everything else (hop-by-hop, server, date,
 # content-length of a body we re-frame) is the gateway's own business.
@@ -62,6 +63,9 @@ class Exchange:
     upstream_headers: dict[str, str] = field(default_factory=dict)
     tenant: str = ""
     estimated_prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
+    strip_usage: bool = False
 
 
 class Forwarder:
@@ -195,6 +199,10 @@ class Forwarder:
                 events += chunk.count(b"data:")
                 if b'"usage":{' in chunk:
                     usage_frame = chunk
+                    if ex.strip_usage:
+                        chunk = _without_usage_frame(chunk)
+                        if not chunk:
+                            continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
@@ -223,6 +231,16 @@ def _parse_usage(ex: Exchange, body: bytes) -> None:
     m = _USAGE_COMPLETION.search(body)
     if m:
         ex.completion_tokens = int(m.group(1))
+    m = _USAGE_CACHED.search(body)
+    if m:
+        ex.cached_tokens = int(m.group(1))
+
+
+def _without_usage_frame(chunk: bytes) -> bytes:
+    """Drop the usage-only frame (`"choices":[]`) the gateway asked for; keep the rest."""
+    frames = chunk.split(b"\n\n")
+    kept = [f for f in frames if not (b'"usage":{' in f and b'"choices":[]' in f)]
+    return b"\n\n".join(kept) if len(kept) != len(frames) else chunk
 
 
 def _error_message(body: bytes) -> str:

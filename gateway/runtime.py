@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.accounting import Accountant
 from gateway.admission.controller import Admission
 from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
@@ -38,6 +39,7 @@ class Runtime:
     output_lengths: dict[str, OutputLengthModel]  # model -> learned completion lengths
     tenants: Tenants
     quotas: Quotas
+    accountant: Accountant
     started_at: float
 
 
@@ -75,7 +77,7 @@ def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.Clie
                for m in policy.models}
     return Runtime(policy, metrics, backends, router, forwarder, session, state, scraper,
                    admission, counters, outputs, Tenants(policy),
-                   Quotas(policy, state, metrics), started_at)
+                   Quotas(policy, state, metrics), Accountant(policy, metrics), started_at)
 
 
 def _upstream_key(policy: Policy) -> str | None:

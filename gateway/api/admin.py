@@ -68,6 +68,7 @@ async def state(request: Request) -> Response:
     rt = gw.runtime
     assert rt is not None
     now = rt.backends.clock()
+    rt.accountant.update()  # prices as of now, not as of the last periodic update
     pools: dict[str, Any] = {}
     for name, ps in rt.admission.pools.items():
         backends = {}
@@ -97,6 +98,7 @@ async def state(request: Request) -> Response:
             "drain_rate_tokens_s": round(ps.drain_rate, 1),
             "ttft_p99_s": ps.ttft.quantile(0.99), "tpot_p99_s": ps.tpot.quantile(0.99),
             "thresholds": thresholds,
+            "cost": rt.accountant.snapshot(name),
         }
     return _json({
         "policy": {"path": gw.policy_path, "loaded_at": gw.loaded_at, "reloads": gw.reloads,

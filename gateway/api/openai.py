@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.accesslog import log_exchange, log_rejection
 from gateway.admission.controller import Ask, Ticket
-from gateway.costing import cost_request
+from gateway.costing import cost_request, profile_of
 from gateway.protocol import (
     BodyTooLarge,
     Endpoint,
@@ -125,7 +125,15 @@ class CompletionsEndpoint:
                       overflow=route.overflow, tenant=tenant.name,
                       tenant_share=tenant.max_kv_share,
                       tenant_shadow=tenant.shadow)
-            if model.upstream_name != parsed.model:
+            strip_usage = False
+            if parsed.stream and not (parsed.stream_options and
+                                      parsed.stream_options.include_usage):
+                # Ask the engine for its usage frame so tokens are counted as the engine
+                # counts them; the caller, who did not ask, never sees it.
+                data["stream_options"] = {**(data.get("stream_options") or {}),
+                                          "include_usage": True}
+                strip_usage = True
+            if model.upstream_name != parsed.model or strip_usage:
                 data["model"] = model.upstream_name
                 body = orjson.dumps(data)
             ticket = await rt.admission.admit(ask)
@@ -141,7 +149,7 @@ class CompletionsEndpoint:
                 request_id=request_id, endpoint=self.endpoint, model=model.name,
                 pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
                 response_headers=response_headers, tenant=tenant.name,
-                estimated_prompt_tokens=costed.prompt_tokens,
+                estimated_prompt_tokens=costed.prompt_tokens, strip_usage=strip_usage,
             )
             inflight = rt.metrics.pool_children(route.pool)[3]
             inflight.inc()
@@ -151,6 +159,10 @@ class CompletionsEndpoint:
             finally:
                 inflight.dec()
                 _learn(rt, model.name, ex, chars, costed.exact)
+                used = _usage_of(ex)
+                if used is not None:
+                    rt.accountant.record(route.pool, tenant.name, *used, profile_of(model),
+                                         rt.backends.pools_inflight(route.pool))
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -189,19 +201,26 @@ class CompletionsEndpoint:
             _observe(rt, ex, gone, loop.time(), forward_start)
 
 
-def _tokens_used(ex: Exchange | None) -> int | None:
-    """What the engine spent, for quota reconciliation; None when it never took the request.
+def _usage_of(ex: Exchange | None) -> tuple[int, int, int] | None:
+    """(prompt, cached, output) tokens the engine spent; None when it never took the request.
 
-    The engine's `usage` when it sent one; else, for a stream cut short, the prompt as we
-    counted it plus the tokens streamed so far (one per SSE event after the first).
+    The engine's `usage` when it sent one (the gateway asks every stream for it); for a
+    stream cut short, the prompt as counted here and one output token per streamed event
+    (after the role event that opens a chat stream).
     """
     if ex is None or not ex.response_started or ex.status not in (200, 499, 502):
         return None
     if ex.prompt_tokens is not None and ex.completion_tokens is not None:
-        return ex.prompt_tokens + ex.completion_tokens
-    if ex.first_byte is None and not ex.stream:
+        return ex.prompt_tokens, ex.cached_tokens or 0, ex.completion_tokens
+    if not ex.stream or ex.first_byte is None:
         return None
-    return (ex.estimated_prompt_tokens or 0) + max(0, ex.sse_events - 1)
+    opening = 1 if ex.endpoint == "chat" else 0
+    return ex.estimated_prompt_tokens or 0, 0, max(0, ex.sse_events - opening)
+
+
+def _tokens_used(ex: Exchange | None) -> int | None:
+    used = _usage_of(ex)
+    return None if used is None else used[0] + used[2]
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

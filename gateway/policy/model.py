@@ -144,6 +144,36 @@ class AdmissionSpec(Strict):
     learned: Learned | None = None
 
 
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class CostSpec(Strict):
+    """What a pool's GPUs cost per hour, and how to split it between input and output tokens.
+
+    Give `gpu_hour` (a price per GPU-hour), or `per_gpu_hour` with its parts (amortised
+    hardware, power, operations...), which are summed.
+    """
+
+    gpus_per_backend: PositiveInt | None = None  # default: the pool's tp
+    gpu_hour: NonNegativeFloat | None = None
+    per_gpu_hour: dict[Name, NonNegativeFloat] | None = None
+    # Share of the cost charged to input tokens; unset: by the estimated GPU time of prefill
+    # against decode, from the cost model of each request in the window.
+    input_share: Annotated[float, Field(ge=0, le=1)] | None = None
+    window_s: PositiveFloat = 300.0  # cost per million tokens is over this window
+    currency: Annotated[str, Field(max_length=8)] = "USD"
+
+    @model_validator(mode="after")
+    def _one_price(self) -> CostSpec:
+        if (self.gpu_hour is None) == (self.per_gpu_hour is None):
+            raise ValueError("give exactly one of gpu_hour or per_gpu_hour")
+        return self
+
+    def price_per_gpu_hour(self) -> float:
+        return self.gpu_hour if self.gpu_hour is not None \
+            else sum((self.per_gpu_hour or {}).values())
+
+
 class PoolSpec(Strict):
     engine: Literal["vllm", "sglang", "openai"] = "vllm"
     models: Annotated[list[str], Field(min_length=1)]
@@ -168,6 +198,7 @@ class PoolSpec(Strict):
     overflow_to: str | None = None
     overflow_max_concurrent: PositiveInt = 2
     admission: AdmissionSpec = AdmissionSpec()
+    cost: CostSpec | None = None
 
     @field_validator("backends")
     @classmethod
