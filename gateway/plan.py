@@ -5,8 +5,10 @@ token (whole model and one TP rank's share), the KV budget each GPU has left, th
 concurrency at the P50 and P99 lengths, the KV demand of a stated concurrency (or one derived with
 Little's law from an arrival rate and a mean latency), one TP=N replica beside two TP=N/2 ones,
 and, with a trace, the probability that the KV demand of `concurrency` requests drawn from real
-traffic exceeds the budget. `plan()` is pure and returns a dataclass; the text and `--json`
-outputs both print it.
+traffic exceeds the budget. With a price per GPU-hour, each layout's cost per million input and
+output tokens at the planned load (and, with a trace, per million tokens that meet the SLO);
+the roofline and the money are in `gateway/plancost.py`. `plan()` is pure and returns a
+dataclass; the text and `--json` outputs both print it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import plancost
 from gateway.cost.traces import TraceError, TraceRequest, read_trace
+from gateway.plancost import CostModel, LayoutCost, Lengths, Throughput
 from gateway.profiles import (
     GB,
     GiB,
@@ -59,6 +63,9 @@ class PlanInput:
     trace: tuple[TraceRequest, ...] = ()
     samples: int = 10_000
     seed: int = 0
+    rate: float | None = None  # arrivals/s: the planned load in tokens/s
+    prompt_mean: float | None = None  # None: the trace's mean, else lognormal from P50 and P99
+    cost: CostModel | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,10 @@ class Layout:
     total_concurrency_p99: int
     overflow_probability: float | None  # trace only: P(KV demand of the concurrency > budget)
     overflow_probability_mid_decode: float | None
+    # trace only: share of requests preempted (newest first, as vLLM does) to fit the budget
+    preempted_share: float | None = None
+    throughput: Throughput | None = None  # the roofline at the planned load
+    cost: LayoutCost | None = None  # with a price
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +120,23 @@ class PlanResult:
     prompt_p99: int
     output_tokens: int
     concurrency: int | None
-    concurrency_source: str  # "stated", "little's law", or "none"
+    concurrency_source: str  # "stated", "little's law", "roofline" (from --rate), or "none"
     primary: Layout
     layouts: tuple[Layout, ...]
     demand_avg: Demand | None
     demand_p50: Demand | None
     demand_p99: Demand | None
     trace_requests: int
+    rate: float | None = None
+    lengths: Lengths | None = None  # mean lengths the throughput and cost are computed at
+    cost_model: CostModel | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _layout(inp: PlanInput, tp: int, explicit_budget: bool) -> Layout:
+def _layout(inp: PlanInput, tp: int, explicit_budget: bool,
+            per_replica: int | None = None) -> Layout:
     led: Ledger = ledger(inp.model, inp.gpu, tp, inp.dtype, inp.kv_dtype,
                          inp.gpu_memory_utilization, inp.reserve_bytes, inp.block_size)
     per_token_gpu = led.kv_bytes_per_token_per_gpu
@@ -133,9 +148,11 @@ def _layout(inp: PlanInput, tp: int, explicit_budget: bool) -> Layout:
     replicas = inp.gpus // tp
     p50 = blocks // max(1, blocks_for(inp.prompt_p50 + inp.output_tokens, inp.block_size))
     p99 = blocks // max(1, blocks_for(inp.prompt_p99 + inp.output_tokens, inp.block_size))
-    overflow = mid = None
-    if inp.trace and inp.concurrency:
-        overflow, mid = _overflow(inp, blocks, math.ceil(inp.concurrency / replicas))
+    overflow = mid = preempted = None
+    if per_replica is None and inp.concurrency:
+        per_replica = math.ceil(inp.concurrency / replicas)
+    if inp.trace and per_replica:
+        overflow, mid, preempted = _overflow(inp, blocks, per_replica)
     return Layout(
         tp=tp,
         replicas=replicas,
@@ -154,23 +171,32 @@ def _layout(inp: PlanInput, tp: int, explicit_budget: bool) -> Layout:
         total_concurrency_p99=p99 * replicas,
         overflow_probability=overflow,
         overflow_probability_mid_decode=mid,
+        preempted_share=preempted,
     )
 
 
-def _overflow(inp: PlanInput, blocks: int, per_replica: int) -> tuple[float, float]:
+def _overflow(inp: PlanInput, blocks: int, per_replica: int) -> tuple[float, float, float]:
     """Monte Carlo: how often `per_replica` requests drawn from the trace need > `blocks`.
 
     Two readings of "concurrent": every request at its final length (prompt + all its output, the
     most it will hold) and each at a uniformly random point of its decode (a snapshot in time).
+    Also the share of requests preempted at final length: the drawn order is arrival order, and
+    vLLM preempts the newest request until the rest fit.
     """
     rng = random.Random(inp.seed)
     final = [blocks_for(r.prompt_tokens + r.output_tokens, inp.block_size) for r in inp.trace]
-    over_final = over_mid = 0
+    over_final = over_mid = preempted = 0
     indices = range(len(inp.trace))
     for _ in range(inp.samples):
         drawn = rng.choices(indices, k=per_replica)
-        if sum(final[i] for i in drawn) > blocks:
+        need = sum(final[i] for i in drawn)
+        if need > blocks:
             over_final += 1
+            for i in reversed(drawn):
+                need -= final[i]
+                preempted += 1
+                if need <= blocks:
+                    break
         mid = sum(
             blocks_for(inp.trace[i].prompt_tokens
                        + int(rng.random() * (inp.trace[i].output_tokens + 1)), inp.block_size)
@@ -178,7 +204,8 @@ def _overflow(inp: PlanInput, blocks: int, per_replica: int) -> tuple[float, flo
         )
         if mid > blocks:
             over_mid += 1
-    return over_final / inp.samples, over_mid / inp.samples
+    return (over_final / inp.samples, over_mid / inp.samples,
+            preempted / (inp.samples * per_replica))
 
 
 def _demand(inp: PlanInput, layout: Layout, concurrency: int, tokens: int) -> Demand:
@@ -222,20 +249,49 @@ def validate(inp: PlanInput) -> None:
         raise ProfileError(f"concurrency: must not be negative, got {inp.concurrency}")
     if inp.kv_budget_bytes is not None and inp.kv_budget_bytes <= 0:
         raise ProfileError(f"kv_budget: must be positive, got {inp.kv_budget_bytes}")
+    if inp.rate is not None and not (math.isfinite(inp.rate) and inp.rate >= 0):
+        raise ProfileError(f"rate: must be a non-negative number of arrivals/s, got {inp.rate}")
+    if inp.prompt_mean is not None and not inp.prompt_mean >= 0:
+        raise ProfileError(f"prompt_mean: must not be negative, got {inp.prompt_mean}")
+
+
+def _costed(inp: PlanInput, tp: int, explicit_budget: bool, lengths: Lengths) -> Layout:
+    """A layout with its roofline at the planned load and, with a price, what its tokens cost."""
+    replicas = inp.gpus // tp
+    tput = plancost.throughput(inp.model, inp.gpu, tp, replicas, inp.dtype, inp.kv_dtype,
+                               lengths, inp.rate, inp.concurrency)
+    per_replica = None
+    if tput is not None and inp.concurrency is None and not tput.saturated:
+        per_replica = math.ceil(tput.concurrency_per_replica - 1e-9)  # from --rate alone
+    lay = _layout(inp, tp, explicit_budget, per_replica)
+    lay = dataclasses.replace(lay, throughput=tput)
+    if inp.cost is None:
+        return lay
+    note = plancost.shortfall(lay.weights_fit, lay.fits, tput, lay.kv_blocks_per_replica,
+                              inp.block_size, lengths)
+    p_meets = None if lay.preempted_share is None else 1.0 - lay.preempted_share
+    return dataclasses.replace(lay, cost=plancost.price(inp.cost, inp.gpus, tput, not note, note,
+                                                        p_meets))
 
 
 def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
     validate(inp)
-    primary = _layout(inp, inp.tp, explicit_budget=inp.kv_budget_bytes is not None)
+    lengths = plancost.lengths(inp.model, inp.prompt_p50, inp.prompt_p99, inp.output_tokens,
+                               inp.prompt_mean, inp.trace)
+    primary = _costed(inp, inp.tp, inp.kv_budget_bytes is not None, lengths)
     # The documents' comparison: all GPUs as one replica beside two replicas of half the TP.
     tps = [inp.gpus]
     if inp.gpus % 2 == 0 and inp.model.num_attention_heads % (inp.gpus // 2) == 0:
         tps.append(inp.gpus // 2)
     if inp.tp not in tps:
         tps.append(inp.tp)
-    layouts = tuple(_layout(inp, tp, explicit_budget=False) for tp in tps
+    layouts = tuple(_costed(inp, tp, False, lengths) for tp in tps
                     if inp.model.num_attention_heads % tp == 0)
     c = inp.concurrency
+    t = primary.throughput
+    if c is None and t is not None and not t.saturated:
+        c, concurrency_source = math.ceil(t.concurrency_per_replica * primary.replicas - 1e-9), \
+            "roofline"
     return PlanResult(
         model=inp.model.name,
         gpu=inp.gpu.name,
@@ -256,6 +312,9 @@ def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
         demand_p50=_demand(inp, primary, c, inp.prompt_p50 + inp.output_tokens) if c else None,
         demand_p99=_demand(inp, primary, c, inp.prompt_p99 + inp.output_tokens) if c else None,
         trace_requests=len(inp.trace),
+        rate=inp.rate,
+        lengths=lengths,
+        cost_model=inp.cost,
     )
 
 
@@ -286,8 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, help="concurrent requests to check")
     p.add_argument("--avg-tokens", type=int, help="average tokens each concurrent request holds")
-    p.add_argument("--rate", type=float, help="arrivals per second (with --mean-latency: "
-                   "concurrency by Little's law)")
+    p.add_argument("--rate", type=float, help="arrivals per second: the planned load (with "
+                   "--mean-latency: concurrency by Little's law; alone: by the roofline)")
     p.add_argument("--mean-latency", type=float, help="mean seconds a request stays")
     p.add_argument("--prompt-p50", type=int, help="prompt tokens P50 (default 2048 or the trace's)")
     p.add_argument("--prompt-p99", type=int, help="prompt tokens P99 (default 16384 or trace's)")
@@ -296,6 +355,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace to sample lengths from")
     p.add_argument("--samples", type=int, default=10_000, help="Monte Carlo samples (trace)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-mean", type=float, help="mean prompt tokens for throughput and "
+                   "cost (default the trace's, or the lognormal through P50 and P99)")
+    plancost.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -343,10 +405,11 @@ def input_from_args(args: argparse.Namespace) -> tuple[PlanInput, str]:
     model = _model_from_args(args)
     trace = tuple(read_trace(args.trace)) if args.trace else ()
     concurrency, source = args.concurrency, "stated"
-    if concurrency is None and (args.rate is not None or args.mean_latency is not None):
-        if args.rate is None or args.mean_latency is None or args.rate < 0 or args.mean_latency < 0:
-            raise ProfileError("rate: --rate and --mean-latency go together, both non-negative")
+    if concurrency is None and args.mean_latency is not None:
+        if args.rate is None or args.rate < 0 or args.mean_latency < 0:
+            raise ProfileError("rate: --mean-latency needs --rate, both non-negative")
         concurrency, source = math.ceil(args.rate * args.mean_latency - 1e-9), "little's law"
+    cost = plancost.cost_model(args.gpu_hour, args.per_gpu_hour, args.currency, args.input_share)
     p50, p99, out = args.prompt_p50, args.prompt_p99, args.output_tokens
     if trace:
         prompts = sorted(r.prompt_tokens for r in trace)
@@ -374,6 +437,9 @@ def input_from_args(args: argparse.Namespace) -> tuple[PlanInput, str]:
         trace=trace,
         samples=args.samples,
         seed=args.seed,
+        rate=args.rate,
+        prompt_mean=args.prompt_mean,
+        cost=cost,
     ), source
 
 
@@ -440,7 +506,13 @@ def render_text(r: PlanResult) -> str:
             row += (f"  {lay.overflow_probability:.2%} (at final length), "
                     f"{lay.overflow_probability_mid_decode:.2%} (mid-decode)")
         lines.append(row)
-    if r.trace_requests:
+    if r.trace_requests and r.concurrency:
         lines.append(f"  (trace: {r.trace_requests:,} requests; P(KV > budget) samples "
-                     f"{r.concurrency} concurrent requests split over the replicas)")
+                     + (f"{r.concurrency} concurrent requests split over the replicas)"
+                        if r.concurrency_source != "roofline" else
+                        "each layout's roofline concurrency at --rate per replica)"))
+    if r.cost_model is not None and r.lengths is not None:
+        lines += plancost.render(r.cost_model, r.gpus, r.lengths, r.rate, r.concurrency,
+                                 [(lay.tp, lay.replicas, lay.throughput, lay.cost)
+                                  for lay in r.layouts if lay.cost is not None])
     return "\n".join(lines)

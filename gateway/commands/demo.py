@@ -96,9 +96,19 @@ def _start_engines(policy: Policy, time_scale: float) -> list[subprocess.Popen[b
                    "--tokenizer", model.tokenizer, "--time-scale", str(time_scale)]
             print(f"gateway demo: engine {pool_name}/{b.name} on 127.0.0.1:{port} "
                   f"(simulated {arch} on {pool.tp} x {pool.gpu})", file=sys.stderr)
-            # Own process group: Ctrl-C in the terminal reaches us, and we stop them in order.
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            # Own process group: Ctrl-C in the terminal reaches us, and we stop them in order;
+            # and should we die without cleaning up, the kernel stops them (Linux).
+            procs.append(subprocess.Popen(cmd, start_new_session=True,
+                                          preexec_fn=_die_with_parent))
     return procs
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_engines(policy: Policy, procs: list[subprocess.Popen[bytes]],
