@@ -237,7 +237,7 @@ def price(cm: CostModel, gpus: int, tput: Throughput | None, holds: bool = True,
     per_hour = gpus * cm.per_gpu_hour
     source = "from --input-share" if cm.input_share is not None else (
         "estimated from prefill vs decode GPU time")
-    if tput is None:
+    if tput is None or tput.saturated:  # no load, or no steady state to put a price on
         return LayoutCost(cm.currency, per_hour, cm.input_share, source, None, None, None,
                           holds, note, p_meets, None, None, None)
     share = cm.input_share
