@@ -2,9 +2,10 @@
 
 Prometheus scrapes two gateway replicas (sharing a Redis) and three simulated engines on
 loopback every second, with deploy/prometheus/alerts.yml loaded. A short load drives the
-engines into queueing and rejections; then one engine first fails and is then killed, and
-Redis is killed. Every dashboard panel's query must then parse and return data, every rule
-must parse and evaluate, and the alerts for what broke must match.
+engines into queueing and rejections; then one engine first fails and is then killed, Redis is
+killed, and one replica is sent a broken policy to reload. Every dashboard panel's query must
+then parse and return data, every rule must parse and evaluate, and the alerts for what broke
+must match.
 
 prometheus and promtool are installed with apt-get when missing and the suite runs as root;
 otherwise the test fails saying how to get them. It never skips.
@@ -225,6 +226,13 @@ def wait_for(prom: Server, expr: str, what: str, timeout: float = 15.0) -> None:
         time.sleep(0.25)
 
 
+def wait_gateway(gw: Server, name: str, timeout: float = 10.0, **labels: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not metric(scrape(gw.url), name, **labels):
+        assert time.monotonic() < deadline, f"{name} {labels} never counted:\n{gw.log()}"
+        time.sleep(0.1)
+
+
 def post_json(url: str, body: dict[str, Any]) -> None:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"content-type": "application/json"})
@@ -344,6 +352,15 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         redis_proc.kill()
         time.sleep(2)
         outcomes = load.finish()
+        # A broken policy file: the first replica refuses it, the second reloads it fixed.
+        (policy_file,) = tmp_path.glob("policy-*.yaml")
+        good = policy_file.read_text()
+        policy_file.write_text(good.replace("max_model_len: 8192", "max_model_len: -1"))
+        gateways[0].process.send_signal(signal.SIGHUP)
+        wait_gateway(gateways[0], "gateway_policy_reloads_total", result="invalid")
+        policy_file.write_text(good)
+        gateways[1].process.send_signal(signal.SIGHUP)
+        wait_gateway(gateways[1], "gateway_policy_reloads_total", result="ok")
 
         samples = [scrape(gw.url) for gw in gateways]
         total = {what: sum(metric(s, name, **labels) for s in samples)
@@ -358,6 +375,9 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         wait_for(prom, 'up{job="engines", backend="e1"} == 0', "e1 down")
         wait_for(prom, "gateway_state_errors_total", "state errors")
         wait_for(prom, 'gateway_backend_up{backend="e1"} == 0', "e1 out of rotation")
+        gw0 = gateways[0]
+        wait_for(prom, f'gateway_policy_reloads_total{{result="invalid", '
+                 f'instance="127.0.0.1:{gw0.port}"}} == 1', "the refused reload")
 
         # Every panel: parses and returns data with at least one number in it.
         empty = []
@@ -392,6 +412,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         assert series(prom, alerts["GatewayStateBackendErrors"])
         assert [r["metric"]["pool"] for r in series(prom, alerts["GatewaySustainedRejections"])] \
             == ["default"]
+        assert [r["metric"]["instance"] for r in
+                series(prom, alerts["GatewayPolicyReloadFailed"])] == [f"127.0.0.1:{gw0.port}"]
         assert not series(prom, alerts["GatewayPoolWithoutBackends"])
         assert not series(prom, alerts["GatewayReplicaDown"])
         assert not series(prom, alerts["EngineMetricsMissing"])
