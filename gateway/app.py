@@ -217,6 +217,16 @@ class GatewayApp:
             log.warning("policy reloaded from %s", self.policy_path)
             return ReloadResult(True)
 
+    async def check_reload(self) -> ReloadResult:
+        """Validate the policy file without applying it."""
+        if self.policy_path is None:
+            return ReloadResult(False, ["no policy file to reload (started without one)"])
+        try:
+            await asyncio.to_thread(load_policy, self.policy_path)
+        except PolicyError as exc:
+            return self._reload_failed(exc.render().splitlines())
+        return ReloadResult(True)
+
     def _reload_failed(self, problems: list[str]) -> ReloadResult:
         self.reloads["invalid"] += 1
         self.last_reload_error = "\n".join(problems)

@@ -19,6 +19,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
+from gateway.policy.model import Policy
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0, 300.0, 600.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
@@ -101,6 +103,13 @@ class GatewayMetrics:
             "policy stays in force).", ["result"], registry=r)
         for result in ("ok", "invalid"):  # from 0, so the first failed reload is an increase
             self.policy_reloads.labels(result)
+        self.slo_target = Gauge(
+            "gateway_slo_target_seconds", "The pool's latency targets from the policy "
+            "(admission ttft_p99_max_s, tpot_p99_max_s), for dashboards and alerts.",
+            ["pool", "kind"], registry=r, multiprocess_mode="livemax")
+        self.quota_limit = Gauge(
+            "gateway_tenant_quota_tokens", "A tenant's token quota per window (minute, day).",
+            ["tenant", "window"], registry=r, multiprocess_mode="livemax")
         self.quota_rejections = Counter(
             "gateway_quota_rejections_total", "Requests refused with 429 for a tenant's token "
             "quota.", ["tenant"], registry=r)
@@ -123,7 +132,21 @@ class GatewayMetrics:
             "Relative error of prompt-token estimates for models with tokenizer `none` "
             "(|estimate - engine's count| / engine's count).", ["model"],
             buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0), registry=r)
+        for op in ("reserve", "release", "refresh", "usage", "quota"):
+            self.state_errors.labels(op)  # from 0, so a single error is an increase
         self._children: dict[tuple[str, ...], Any] = {}
+
+    def publish_policy(self, policy: Policy) -> None:
+        """Targets and quotas from the policy in force, as gauges dashboards can draw."""
+        for name, pool in policy.pools.items():
+            for kind, value in (("ttft_p99", pool.admission.ttft_p99_max_s),
+                                ("tpot_p99", pool.admission.tpot_p99_max_s)):
+                if value is not None:
+                    self.slo_target.labels(name, kind).set(value)
+        for t in policy.tenants:
+            for window, value in (("minute", t.tokens_per_minute), ("day", t.tokens_per_day)):
+                if value is not None:
+                    self.quota_limit.labels(t.name, window).set(value)
 
     # Children cached by key: `labels()` takes a lock and builds a tuple on every call.
     def request_done(self, pool: str, model: str, status: int) -> None:

@@ -65,6 +65,7 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
                   state: StateBackend, counters: dict[str, TokenCounter], started_at: float,
                   output_lengths: dict[str, OutputLengthModel] | None = None) -> Runtime:
+    metrics.publish_policy(policy)
     backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
     router = Router(policy, backends)
     forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,

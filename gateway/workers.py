@@ -36,6 +36,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STOP_TIMEOUT_S = 15.0
 
 
+PARENT_ENV = "GATEWAY_WORKERS_PARENT"
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -121,4 +124,6 @@ def _worker(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:
 
     # The parent checked this file a moment ago; a worker that cannot load it must not serve.
     policy = load_policy(serve_kwargs["policy_path"])
+    # POST /admin/reload reaches one worker; it asks the parent to reload them all.
+    os.environ[PARENT_ENV] = str(os.getppid())
     serve(policy, sockets=[sock], **serve_kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -19,6 +20,7 @@ from starlette.routing import Route
 
 from gateway.protocol import error_body
 from gateway.tenants import bearer
+from gateway.workers import PARENT_ENV
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -129,7 +131,16 @@ async def reload(request: Request) -> Response:
     if (refused := _refuse(request)) is not None:
         return refused
     gw: GatewayApp = request.app.state.gateway
-    result = await gw.reload()
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None:
+        # One of several workers: check the file here, then have the parent signal all of
+        # them (this one included), so every worker runs the same policy.
+        result = await gw.check_reload()
+        if result.ok:
+            os.kill(int(parent), signal.SIGHUP)
+            return _json({"status": "reloading every worker", "policy": gw.policy_path})
+    else:
+        result = await gw.reload()
     if result.ok:
         return _json({"status": "reloaded", "policy": gw.policy_path})
     return Response(error_body("The policy was not reloaded; the old one stays in force:\n"
