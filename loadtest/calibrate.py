@@ -312,6 +312,9 @@ async def _run(args: argparse.Namespace) -> int:
         note("no knee: even the lowest rate missed the SLO attainment target; nothing learned. "
              "Try a lower --start-rate or --rates, or check the SLOs are reachable at all.")
         return 1
+    if not sweep.bounded:
+        note(f"every rate kept the SLOs, so {sweep.knee:g} req/s is not a knee but a lower "
+             "bound: the learned thresholds are conservative; add higher rates to find it")
     state = knee["engine_state"]
     values = learned_values(state, args.statistic, args.margin)
     if not values:

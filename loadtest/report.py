@@ -273,14 +273,14 @@ def render_text(report: Mapping[str, Any]) -> str:
                         ("queue", "Gateway queue time")):
         if f(f"mean_{name}_ms") is None:
             continue
-        lines.append(f"{('-' * 15) + title + ('-' * 15):-^62}")
+        lines.append(f"{title:-^62}")
         row(f"Mean {name.upper()} (ms):", f(f"mean_{name}_ms"))
         row(f"Median {name.upper()} (ms):", f(f"median_{name}_ms"))
         for p in (90, 95, 99):
             row(f"P{p} {name.upper()} (ms):", f(f"p{p}_{name}_ms"))
     gen = f("generator") or {}
     if gen:
-        lines.append(f"{'-' * 20}Load generator{'-' * 28}")
+        lines.append(f"{'Load generator':-^62}")
         row("Generator CPU (share of one core):", gen.get("cpu_fraction"))
         row("Chunks received per second:", gen.get("chunks_per_s"), 0)
         row("Max send lag behind schedule (ms):", gen.get("max_schedule_lag_ms"))

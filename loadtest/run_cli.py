@@ -94,6 +94,9 @@ def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool
                    help="after the last send, wait at most S s for requests still running")
     p.add_argument("--max-in-flight", type=int, default=10_000, metavar="N",
                    help="open loop: arrivals beyond N in flight are dropped and counted")
+    p.add_argument("--ramp", type=float, default=None, metavar="S",
+                   help="closed loop: spread the first sends over S s (default: a tenth of "
+                        "--duration, at most 2 s; 0 starts all at once)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -125,6 +128,8 @@ def parse_shape(args: argparse.Namespace, workload: Workload, rate: float | None
                         ("--timeout", args.timeout), ("--drain", args.drain)):
         if not (value > 0 and math.isfinite(value)):
             raise UsageError(f"{name} must be a positive number, got {value:g}")
+    if args.ramp is not None and not (args.ramp >= 0 and math.isfinite(args.ramp)):
+        raise UsageError(f"--ramp must be 0 or more seconds, got {args.ramp:g}")
     if args.max_requests < 1 or args.max_in_flight < 1:
         raise UsageError("--max-requests and --max-in-flight must be at least 1")
     if args.arrival is not None:
@@ -144,7 +149,7 @@ def parse_shape(args: argparse.Namespace, workload: Workload, rate: float | None
     return LoadShape(rate=rate, concurrency=concurrency, arrival=arrival,
                      time_compress=args.time_compress, duration_s=args.duration,
                      max_requests=args.max_requests, drain_s=args.drain,
-                     max_in_flight=args.max_in_flight)
+                     max_in_flight=args.max_in_flight, ramp_s=args.ramp)
 
 
 def prepare(args: argparse.Namespace, rate: float | None = None,

@@ -49,6 +49,7 @@ class LoadShape:
     max_requests: int = 10_000
     drain_s: float = 60.0
     max_in_flight: int = 10_000
+    ramp_s: float | None = None       # closed loop: spread of the first sends; None: auto
 
     def describe(self) -> str:
         if self.concurrency is not None:
@@ -238,14 +239,15 @@ class Runner:
         """Wait for the requests still running, at most `drain_s`; cancel and count the rest."""
         if not tasks:
             return 0
-        _, pending = await asyncio.wait(list(tasks), timeout=self.shape.drain_s)
+        started = dict(tasks)  # the done-callback empties `tasks`, cancelled tasks included
+        _, pending = await asyncio.wait(list(started), timeout=self.shape.drain_s)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         now = time.perf_counter() - t0
         for task in pending:
-            index, start = tasks[task]
+            index, start = started[task]
             item = self.workload.item(index)
             result = _cancelled(start, now, self.shape.drain_s)
             out.append(Sample(index, item.prompt_tokens, item.output_tokens, result))
@@ -254,7 +256,11 @@ class Runner:
 
     async def _open(self) -> Outcome:
         times = schedule(self.shape, self.workload, self.seed)
-        built = [self.builder.build(i, self.workload.item(i)) for i in range(len(times))]
+        built: list[tuple[RequestSpec, int, int]] = []
+        for i in range(len(times)):
+            item = self.workload.item(i)
+            spec, prompt_tokens = self.builder.build(i, item)
+            built.append((spec, prompt_tokens, item.output_tokens))
         self.tracker.planned = len(times)
         out: list[Sample] = []
         tasks: dict[asyncio.Task[None], tuple[int, float]] = {}
@@ -273,8 +279,7 @@ class Runner:
             if self.tracker.in_flight >= self.shape.max_in_flight:
                 dropped += 1  # the target is not keeping up; never grow without bound
                 continue
-            spec, prompt_tokens = built[i]
-            output = self.workload.item(i).output_tokens
+            spec, prompt_tokens, output = built[i]
             task = asyncio.create_task(self._send(i, spec, prompt_tokens, output, t0, out))
             tasks[task] = (i, due)
             task.add_done_callback(lambda t: tasks.pop(t, None))
@@ -297,8 +302,10 @@ class Runner:
         deadline = t0 + self.shape.duration_s
         workers = max(1, min(concurrency, count))
         # Spread the first sends over ~1/10 of the run (at most 2 s): requests of equal length
-        # would otherwise start, end and restart in lockstep bursts.
-        ramp = min(2.0, self.shape.duration_s / 10)
+        # would otherwise start, end and restart in lockstep bursts. `--ramp 0` keeps the
+        # lockstep, as tools without a ramp run it (the agreement benchmark).
+        ramp = self.shape.ramp_s if self.shape.ramp_s is not None else min(
+            2.0, self.shape.duration_s / 10)
 
         async def worker(k: int) -> None:
             nonlocal next_i

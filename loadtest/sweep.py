@@ -79,6 +79,11 @@ class Sweep:
         return att is not None and att >= self.target_pct
 
     @property
+    def bounded(self) -> bool:
+        """Did some rate fail? If not, the knee is only a lower bound on the capacity."""
+        return any(not self.passed(s) for s in self.steps)
+
+    @property
     def knee(self) -> float | None:
         best: float | None = None
         for step in sorted(self.steps, key=lambda s: float(s["offered"])):
@@ -191,6 +196,9 @@ async def _run(args: argparse.Namespace) -> int:
     else:
         print(f"knee: {knee:g} req/s (the highest rate keeping SLO attainment >= "
               f"{sweep.target_pct:g}%)")
+        if not sweep.bounded:
+            note(f"every rate kept the SLOs: the knee is at least {knee:g} req/s; add higher "
+                 "rates to find it")
     if args.out:
         write_json(args.out, summary(sweep, prep, args))
         note(f"sweep written to {args.out}")
