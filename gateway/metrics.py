@@ -120,10 +120,11 @@ class GatewayMetrics:
             registry=r)
         self.cost_per_hour = Gauge(
             "gateway_cost_per_hour", "What the pool's GPUs cost per hour (policy cost model).",
-            ["pool"], registry=r)
+            ["pool"], registry=r, multiprocess_mode="livemax")
         self.cost_per_million = Gauge(
             "gateway_cost_per_million_tokens", "Cost per million input or output tokens over "
-            "the pool's cost window.", ["pool", "kind"], registry=r)
+            "the pool's cost window.", ["pool", "kind"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.tenant_cost = Counter(
             "gateway_tenant_cost_total", "Spend attributed to tenants: their tokens at the "
             "pool's current prices.", ["tenant", "pool"], registry=r)

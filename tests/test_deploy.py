@@ -11,8 +11,10 @@ names no service).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -164,6 +166,30 @@ def test_dockerfile_installs_the_project() -> None:
     parse_cli(cmd)
 
 
+@pytest.mark.parametrize("path", ["deploy/compose/policy.yaml", "deploy/k8s/policy.yaml"])
+def test_policies_feed_the_slo_quota_and_cost_panels(path: str) -> None:
+    """The dashboard's SLO lines, SLO alerts, quota and cost panels read what the policy
+    declares (gateway_slo_target_seconds, gateway_tenant_quota_tokens, gateway_cost_*): a
+    pool or tenant without it would leave them empty."""
+    policy = load_policy(ROOT / path)
+    for name, pool in policy.pools.items():
+        assert pool.admission.ttft_p99_max_s and pool.admission.tpot_p99_max_s, name
+        assert pool.cost is not None, f"{name}: no cost block"
+    assert any(t.tokens_per_minute for t in policy.tenants), "no tenant with a quota"
+    assert not policy.auth.require_keys, "keyless callers (the docs' curl) must get through"
+
+
+def test_compose_demo_key_is_the_demo_tenants() -> None:
+    """The key the compose policy's comments publish for the demo is the one its tenant holds
+    (as a digest), so the quota panels can be driven by hand."""
+    text = (ROOT / "deploy/compose/policy.yaml").read_text()
+    (key,) = re.findall(r"Bearer (sk-gw-\S+)", text)
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    owners = [t.name for t in load_policy(ROOT / "deploy/compose/policy.yaml").tenants
+              if digest in t.api_keys]
+    assert owners == ["demo-batch"]
+
+
 # --- Kubernetes ---------------------------------------------------------------------------
 
 
@@ -251,3 +277,18 @@ def test_dashboard_is_importable_and_every_panel_has_a_query() -> None:
     doc = (ROOT / "docs/operations.md").read_text()
     missing = [t for t in titles if t not in doc]
     assert not missing, f"docs/operations.md does not explain panels {missing}"
+
+
+def test_every_alert_links_to_its_section_in_the_runbook() -> None:
+    """Each alert's `runbook` annotation is docs/operations.md#<its name>, and that section
+    exists: the page an on-call engineer is sent to must say what to do."""
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    headings = {line[4:].strip().lower() for line in
+                (ROOT / "docs/operations.md").read_text().splitlines()
+                if line.startswith("### ")}
+    for alert in alerts:
+        name = alert["alert"]
+        assert alert["annotations"]["runbook"] == f"docs/operations.md#{name.lower()}", name
+        assert name.lower() in headings, f"docs/operations.md has no section for {name}"
+        assert alert["labels"]["severity"] in ("page", "warning"), name

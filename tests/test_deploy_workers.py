@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
-from tests.servers import gateway_cmd
+from tests.servers import Server, gateway_cmd
 
 REQUESTS = 40
+ADMIN_KEY = "test-admin-key"
+# The admin API needs an admin key: its SHA-256 in the policy, as in production.
+ADMIN = f"""
+auth:
+  admin_keys: ["{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"]
+"""
 
 
 def chat(url: str) -> str:
@@ -25,39 +33,74 @@ def chat(url: str) -> str:
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
-        return resp.headers["x-request-id"]
+        return str(resp.headers["x-request-id"])
 
 
 def test_workers_share_one_metrics_page(start_sim: StartSim, start_gateway: StartGateway,
-                                        redis_url: str) -> None:
+                                        redis_url: str, tmp_path: Path) -> None:
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     with start_sim() as sim, \
-            start_gateway(policy_yaml([sim.url]), "--workers", "2", "--redis-url", redis_url,
+            start_gateway(policy_yaml([sim.url], extra=ADMIN), "--workers", "2",
+                          "--redis-url", redis_url,
                           "--state-prefix", prefix) as gw:
+        # Generated ids are `gw-<process>-<n>`: send until both workers answered some. The
+        # port answers once one worker is up; on a busy machine the other may still be
+        # importing, so one batch can all land on the first.
+        ids: list[str] = []
+        deadline = time.monotonic() + 20
         with cf.ThreadPoolExecutor(8) as pool:
-            ids = list(pool.map(lambda _: chat(gw.url), range(REQUESTS)))
-        # Generated ids are `gw-<process>-<n>`: both workers answered some.
-        workers = {i.rsplit("-", 1)[0] for i in ids}
-        assert len(workers) == 2, f"one worker served everything: {sorted(set(ids))[:5]}"
+            while len({i.rsplit("-", 1)[0] for i in ids}) < 2:
+                assert time.monotonic() < deadline, \
+                    f"one worker served everything: {sorted(set(ids))[:5]}"
+                ids += pool.map(lambda _: chat(gw.url), range(REQUESTS))
+        sent = len(ids)
         blocks = _engine_blocks(sim.url)
         # Each scrape lands on either worker and still counts every request once.
         for _ in range(6):
             s = scrape(gw.url)
-            assert metric(s, "gateway_requests_total", status="200") == REQUESTS
-            assert metric(s, "gateway_request_duration_seconds_count") == REQUESTS
-            assert metric(s, "gateway_admission_decisions_total") == REQUESTS
+            assert metric(s, "gateway_requests_total", status="200") == sent
+            assert metric(s, "gateway_request_duration_seconds_count") == sent
+            assert metric(s, "gateway_admission_decisions_total") == sent
             # Gauges combine by their multiprocess_mode: not doubled by two workers.
             assert metric(s, "gateway_backend_up", backend="e0") == 1
             assert metric(s, "gateway_inflight_requests") == 0
             assert metric(s, "gateway_kv_blocks_capacity", backend="e0") == blocks
-        # SIGHUP to the parent reloads the policy in every worker.
+        # POST /admin/reload reaches one worker, which checks the file and has the parent
+        # SIGHUP them all: every worker reloads, not only the one that answered.
+        assert _admin_reload(gw.url) == 200
+        _wait_reloads(gw, ok=2)
+        # A broken file is refused by the worker that checked it; none reloads.
+        (policy_file,) = tmp_path.glob("policy-*.yaml")
+        good = policy_file.read_text()
+        policy_file.write_text(good.replace("max_model_len: 8192", "max_model_len: -1"))
+        assert _admin_reload(gw.url) == 400
+        s = scrape(gw.url)
+        assert metric(s, "gateway_policy_reloads_total", result="invalid") == 1
+        assert metric(s, "gateway_policy_reloads_total", result="ok") == 2
+        # SIGHUP to the parent reloads the policy in every worker too.
+        policy_file.write_text(good)
         gw.process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") < 2:
-            assert time.monotonic() < deadline, gw.log()
-            time.sleep(0.1)
-        assert metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") == 2
+        _wait_reloads(gw, ok=4)
     assert gw.process.returncode == 0, gw.log()
+
+
+def _admin_reload(url: str) -> int:
+    req = urllib.request.Request(url + "/admin/reload", data=b"", method="POST",
+                                 headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _wait_reloads(gw: Server, ok: int) -> None:
+    """Until the merged metrics count `ok` successful reloads; then they stay there."""
+    deadline = time.monotonic() + 10
+    while metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") < ok:
+        assert time.monotonic() < deadline, gw.log()
+        time.sleep(0.1)
+    assert metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") == ok
 
 
 def _engine_blocks(url: str) -> float:
