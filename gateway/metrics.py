@@ -85,6 +85,10 @@ class GatewayMetrics:
             "gateway_kv_blocks_capacity", "KV blocks of the backend: from the engine's "
             "vllm:cache_config_info, else the policy, else the planner's ledger.",
             ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
+        self.kv_overbook = Gauge(
+            "gateway_kv_overbook_ratio", "Learned ratio of reserved KV blocks to the blocks the "
+            "engine reports in use; reservations may exceed the budget by it.",
+            ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
         self.engine_kv_usage = Gauge(
             "gateway_engine_kv_usage_ratio", "The engine's own KV cache usage (0-1), scraped.",
             ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")

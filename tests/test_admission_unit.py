@@ -249,10 +249,10 @@ def test_stale_engine_sample_is_unknown() -> None:
     adm, clock, _ = make(POLICY.replace("queue_size: 2", "queue_size: 2, waiting_max: 1"))
     adm.scraper.samples[("default", "a")] = parse_engine_metrics(
         'vllm:num_requests_waiting{model_name="m"} 9\n', "vllm", clock.now)
-    assert adm._engine_full(adm.pools["default"], "a")
+    assert adm._engine_full(adm.pools["default"], "a") == "engine_waiting"
     clock.now += 6  # older than metrics_max_age_s (5 s): unknown, not "full" nor "idle"
     assert adm.scraper.fresh("default", "a") is None
-    assert not adm._engine_full(adm.pools["default"], "a")
+    assert adm._engine_full(adm.pools["default"], "a") is None
 
 
 def test_static_rule_sheds_on_engine_signals_only() -> None:
@@ -274,3 +274,28 @@ def test_static_rule_sheds_on_engine_signals_only() -> None:
             await adm.admit(Ask("default", 1, 1))
 
     asyncio.run(go())
+
+
+def test_overbooking_is_learned_from_the_engines_usage() -> None:
+    adm, clock, _ = make()
+    ps = adm.pools["default"]
+    ps.reserved["a"] = 90  # reservations: 90 of 100 blocks; the engine holds 45
+    for _ in range(40):
+        adm.on_engine_sample("default", "a", parse_engine_metrics(
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.45\n', "vllm", clock.now))
+    assert ps.overbook["a"] == pytest.approx(2.0, rel=0.01)
+    assert 198 <= adm.max_blocks(ps, "a") <= 200  # 100 blocks x kv_usage_max 1.0 x ~2.0
+    # ...while the engine's own usage stays the hard line.
+    adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.95\n', "vllm", clock.now)
+    assert adm._engine_full(ps, "a") is None  # kv_usage_max is 1.0 in this policy
+    tight, clock3, _ = make(POLICY.replace("kv_usage_max: 1.0", "kv_usage_max: 0.9"))
+    tight.pools["default"].overbook["a"] = 1.5
+    tight.scraper.samples[("default", "a")] = parse_engine_metrics(
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.95\n', "vllm", clock3.now)
+    assert tight._engine_full(tight.pools["default"], "a") == "engine_kv"
+    # An idle engine teaches nothing.
+    adm2, clock2, _ = make()
+    adm2.on_engine_sample("default", "a", parse_engine_metrics(
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.01\n', "vllm", clock2.now))
+    assert adm2.pools["default"].overbook.get("a", 1.0) == 1.0

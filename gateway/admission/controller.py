@@ -43,6 +43,10 @@ log = logging.getLogger("gateway.admission")
 
 UNKNOWN_CAPACITY_BLOCKS = 1 << 40  # no architecture and no engine report: only tokens bound
 TICK_S = 0.05
+# Learn the overbooking ratio only from samples where reservations hold a fair share of the
+# backend: an idle engine says nothing about how much reservations overestimate.
+OVERBOOK_MIN_LOAD = 0.3
+OVERBOOK_SMOOTHING = 0.2
 
 
 class Overloaded(GatewayError):
@@ -94,6 +98,7 @@ class PoolState:
     drained_tokens: float = 0.0
     drain_rate: float = 0.0  # tokens/s released, EWMA
     overflow_inflight: int = 0
+    overbook: dict[str, float] = field(default_factory=dict)  # backend -> reserved / used
     tenant_blocks: dict[str, int] = field(default_factory=dict)  # this replica's, for shadow
     drain_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -162,27 +167,51 @@ class Admission:
             self._rescale_guard(ps)
         if sample.kv_usage is not None:
             self.metrics.engine_kv_usage.labels(pool, backend).set(sample.kv_usage)
+            self._learn_overbook(ps, backend, sample.kv_usage)
+
+    def _learn_overbook(self, ps: PoolState, backend: str, kv_usage: float) -> None:
+        """How much our reservations exceed the blocks the engine really holds."""
+        limit = ps.spec.admission.overbook_max
+        capacity = ps.capacity[backend]
+        reserved = ps.reserved.get(backend, 0)
+        if limit <= 1.0 or capacity >= UNKNOWN_CAPACITY_BLOCKS or \
+                reserved < OVERBOOK_MIN_LOAD * capacity or kv_usage <= 0:
+            return
+        ratio = min(limit, max(1.0, reserved / (kv_usage * capacity)))
+        old = ps.overbook.get(backend, 1.0)
+        ps.overbook[backend] = (1 - OVERBOOK_SMOOTHING) * old + OVERBOOK_SMOOTHING * ratio
+        self.metrics.kv_overbook.labels(ps.name, backend).set(ps.overbook[backend])
 
     def max_blocks(self, ps: PoolState, backend: str) -> int:
         """Blocks our reservations may take on `backend`, engine-reported usage considered."""
         capacity = ps.capacity[backend]
-        limit = int(capacity * (ps.thresholds.kv_usage_max.value or 1.0))
+        overbook = ps.overbook.get(backend, 1.0)
+        limit = int(capacity * (ps.thresholds.kv_usage_max.value or 1.0) * overbook)
         sample = self.scraper.fresh(ps.name, backend)
         known = capacity < UNKNOWN_CAPACITY_BLOCKS
         if sample is not None and sample.kv_usage is not None and known:
             # Blocks in use that we did not reserve (other traffic, another gateway) are taken.
-            external = sample.kv_usage * capacity - ps.reserved.get(backend, 0)
+            external = sample.kv_usage * capacity - ps.reserved.get(backend, 0) / overbook
             if external > 0:
-                limit -= int(external)
+                limit -= int(external * overbook)
         return max(0, limit)
 
-    def _engine_full(self, ps: PoolState, backend: str) -> bool:
-        waiting_max = ps.thresholds.waiting_max.value
-        if waiting_max is None:
-            return False
+    def _engine_full(self, ps: PoolState, backend: str) -> str | None:
+        """Why the engine's own report rules this backend out now, if it does."""
         sample = self.scraper.fresh(ps.name, backend)
         # Unknown (stale or never scraped) is not "idle": the reservation limit still holds.
-        return sample is not None and sample.waiting is not None and sample.waiting > waiting_max
+        if sample is None:
+            return None
+        waiting_max = ps.thresholds.waiting_max.value
+        if waiting_max is not None and sample.waiting is not None \
+                and sample.waiting > waiting_max:
+            return "engine_waiting"
+        # Overbooked reservations rest on averages; the engine's own usage is the hard line.
+        kv_max = ps.thresholds.kv_usage_max.value or 1.0
+        if ps.overbook.get(backend, 1.0) > 1.0 and sample.kv_usage is not None \
+                and sample.kv_usage > kv_max:
+            return "engine_kv"
+        return None
 
     # --- the decision -------------------------------------------------------------------------
 
@@ -279,8 +308,9 @@ class Admission:
                         - ps.reserved.get(b.name, 0), reverse=True)
         reason = "kv_blocks"
         for backend in scored:
-            if self._engine_full(ps, backend.name):
-                reason = "engine_waiting"
+            full = self._engine_full(ps, backend.name)
+            if full is not None:
+                reason = full
                 continue
             ticket, reason = await self._reserve(ps, ask, backend)
             if ticket is not None or reason == "inflight_tokens":
@@ -352,8 +382,8 @@ class Admission:
                 "engine": None if sample is None else {
                     "kv_usage": sample.kv_usage, "waiting": sample.waiting,
                     "running": sample.running, "age_s": round(now - sample.at, 3)},
-                "engine_queue_over_limit": self._engine_full(ps, b.name)}
-            if b.available(now) and not self._engine_full(ps, b.name):
+                "engine_rules_out": self._engine_full(ps, b.name)}
+            if b.available(now) and self._engine_full(ps, b.name) is None:
                 headroom = limit - reserved
                 if best is None or headroom > best[0]:
                     best = (headroom, b.name)
@@ -453,6 +483,7 @@ class Admission:
             "kv_blocks": "its engines' KV cache is at the admission limit",
             "inflight_tokens": "its in-flight token limit is reached",
             "engine_waiting": "its engines are already queueing requests",
+            "engine_kv": "its engines report their KV cache fuller than kv_usage_max",
             "tenant_share": "this tenant holds its whole share of the pool's KV cache",
         }.get(cause, cause)
         then = {

@@ -132,6 +132,12 @@ class AdmissionSpec(Strict):
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None  # default 0.9
     inflight_tokens_max: PositiveInt | None = None  # default: no limit beyond KV
     waiting_max: Annotated[int, Field(ge=0)] | None = None  # engine queue; default: not used
+    # Reservations count each request's whole expected output from the start, while an engine
+    # holds a request's output only as it is generated. The gateway learns by how much its
+    # reservations exceed what the engine reports in use, and lets them exceed the budget by
+    # that ratio, at most this much; the engine's own usage still has to stay under
+    # kv_usage_max. 1 turns this off.
+    overbook_max: Annotated[float, Field(ge=1.0, le=4.0)] = 2.0
     ttft_p99_max_s: PositiveFloat | None = None  # latency guard; off when unset
     tpot_p99_max_s: PositiveFloat | None = None
     latency_window_s: PositiveFloat = 30.0

@@ -297,8 +297,9 @@ class SimApp:
         frames = sse.Frames(parsed.kind == "chat", request.request_id,
                             self.spec.served_model_name, self._created)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        if parsed.kind == "chat":
-            await send({"type": "http.response.body", "body": frames.role(), "more_body": True})
+        # vLLM sends the assistant-role frame with the first token (its first engine output),
+        # not at once: a client timing the first byte must see the prefill in it.
+        role_pending = parsed.kind == "chat"
         drop_after = faults.drop_after
         stall_after = faults.stall_after
         sent = 0
@@ -309,6 +310,9 @@ class SimApp:
             produced = request.num_output_tokens
             done = request.status is Status.FINISHED
             out: list[bytes] = []
+            if role_pending and produced > 0:
+                out.append(frames.role())
+                role_pending = False
             while sent < produced:
                 if drop_after is not None and sent >= drop_after:
                     if out:
