@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from gateway.state import StateBackend, create_state
 log = logging.getLogger("gateway.app")
 
 LAG_INTERVAL_S = 0.1
+DEBUG_GC_ENV = "GATEWAY_DEBUG_GC_EVERY_S"
 
 
 @dataclass
@@ -73,6 +75,7 @@ class GatewayApp:
         self._counters: dict[str, tuple[str, TokenCounter]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._retirements: set[asyncio.Task[None]] = set()
+        self._tasks_debug: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
         self._active = 0
         self.max_active = policy.server.max_concurrent_requests
@@ -138,6 +141,9 @@ class GatewayApp:
         rt = await self._build(self.policy, counters, None)
         self._install(rt, None)
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
+        gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
+        if gc_every > 0:  # benchmarks: force full collections to measure their stall
+            self._tasks_debug = asyncio.create_task(_every(gc_every, gc.collect), name="gc")
         self.metrics.install_gc_callback()
         gc.collect()
         gc.freeze()
@@ -147,6 +153,8 @@ class GatewayApp:
             yield
         finally:
             lag.cancel()
+            if self._tasks_debug is not None:
+                self._tasks_debug.cancel()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(lag, *self._tasks, return_exceptions=True)
@@ -254,7 +262,7 @@ def _targets(rt: Runtime) -> list[tuple[str, str, str, str]]:
             for b in rt.backends.all() if rt.policy.pools[b.pool].engine != "openai"]
 
 
-async def _every(period_s: float, fn: Callable[[], None]) -> None:
+async def _every(period_s: float, fn: Callable[[], object]) -> None:
     while True:
         await asyncio.sleep(period_s)
         fn()

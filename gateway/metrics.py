@@ -175,11 +175,13 @@ class GatewayMetrics:
         started: list[float] = [0.0]
         children = [self.gc_pause.labels(str(g)) for g in range(3)]
 
+        # CPU time of the collecting thread, not wall time: a collection holds the GIL, but the
+        # Python callback around it may wait for the GIL, which is not the collection's pause.
         def on_gc(phase: str, info: dict[str, Any]) -> None:
             if phase == "start":
-                started[0] = time.perf_counter()
+                started[0] = time.thread_time()
             else:
-                children[info["generation"]].observe(time.perf_counter() - started[0])
+                children[info["generation"]].observe(time.thread_time() - started[0])
 
         gc.callbacks.append(on_gc)
         self._gc_callback = on_gc
