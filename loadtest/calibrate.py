@@ -38,21 +38,19 @@ from gateway.policy.loader import parse_policy
 from gateway.policy.model import Policy
 from gateway.signals.engines import parse_engine_metrics
 from loadtest import __version__
-from loadtest.report import SloError
 from loadtest.run_cli import (
     UsageError,
     add_load_options,
-    fail,
     make_builder,
     note,
     prepare,
     read_text,
+    run_command,
     write_json,
 )
-from loadtest.runner import Runner, TargetError, resolve_model
+from loadtest.runner import Runner, resolve_model
 from loadtest.stats import percentile
 from loadtest.sweep import Sweep, add_sweep_options, parse_rates, run_sweep, summary
-from loadtest.workload import WorkloadError
 
 WARMUP_SHARE = 0.25  # of a step's samples, dropped: the engine is still filling up
 STATISTICS = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
@@ -350,18 +348,4 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.plot:
-        from loadtest.plot import require_matplotlib
-
-        try:
-            require_matplotlib()
-        except RuntimeError as exc:
-            return fail(str(exc))
-    try:
-        return asyncio.run(_run(args))
-    except (UsageError, WorkloadError, SloError) as exc:
-        return fail(str(exc))
-    except TargetError as exc:
-        return fail(str(exc), 1)
-    except KeyboardInterrupt:
-        return fail("interrupted", 130)
+    return run_command(args, _run)

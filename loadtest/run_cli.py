@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.plot:
+    return run_command(args, _run)
+
+
+def run_command(args: argparse.Namespace,
+                main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> int:
+    """Run a subcommand's coroutine; every error a user can cause becomes a message."""
+    if getattr(args, "plot", None):
         from loadtest.plot import require_matplotlib
 
         try:
@@ -241,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             return fail(str(exc))
     try:
-        return asyncio.run(_run(args))
+        return asyncio.run(main(args))
     except (UsageError, WorkloadError, SloError) as exc:
         return fail(str(exc))
     except TargetError as exc:

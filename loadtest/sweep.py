@@ -17,20 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.report import SloError
 from loadtest.run_cli import (
     Prepared,
     UsageError,
     add_load_options,
-    fail,
     make_builder,
     note,
     prepare,
+    run_command,
     run_once,
     write_json,
 )
-from loadtest.runner import Runner, TargetError, check_url, is_loopback, resolve_model
-from loadtest.workload import PromptBuilder, WorkloadError
+from loadtest.runner import Runner, check_url, is_loopback, resolve_model
+from loadtest.workload import PromptBuilder
 
 DEFAULT_TARGET = 99.0
 StepHook = Callable[[float, Runner], "asyncio.Task[Any] | None"]
@@ -212,18 +211,4 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.plot:
-        from loadtest.plot import require_matplotlib
-
-        try:
-            require_matplotlib()
-        except RuntimeError as exc:
-            return fail(str(exc))
-    try:
-        return asyncio.run(_run(args))
-    except (UsageError, WorkloadError, SloError) as exc:
-        return fail(str(exc))
-    except TargetError as exc:
-        return fail(str(exc), 1)
-    except KeyboardInterrupt:
-        return fail("interrupted", 130)
+    return run_command(args, _run)
