@@ -30,7 +30,8 @@ DEFAULT_ALLOWANCES = ("median_ttft=10%,p95_ttft=10%,p99_ttft=10%,median_tpot=10%
                       "request_goodput=-5%,output_throughput=-5%,error_rate=0.5pp,"
                       "rejection_rate=1pp,slo_attainment=-1pp")
 # Figures where a rise is the regression; everything else regresses by falling.
-_HIGHER_IS_WORSE = re.compile(r"_(ttft|tpot|itl|e2el|queue)(_ms)?$|^(error|rejection)_rate")
+_HIGHER_IS_WORSE = re.compile(
+    r"_(ttft|tpot|itl|e2el|queue)(_ms)?$|^(error|rejection)_rate|^cost_")
 _LOAD_KEYS = ("rate", "concurrency", "arrival", "time_compress", "duration_s", "max_requests",
               "workload", "endpoint", "slo", "max_model_len")
 _ALLOWANCE = re.compile(r"^([+-]?)(\d+(?:\.\d+)?)(%|pp)$")

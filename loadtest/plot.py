@@ -56,11 +56,15 @@ def plot_run(samples: Sequence[Sample], report: Mapping[str, Any], path: str) ->
 
 
 def plot_sweep(steps: Sequence[Mapping[str, Any]], knee: float | None, path: str,
-               title: str = "") -> None:
-    """Latency percentiles and goodput against offered load, the knee marked."""
+               title: str = "", *, cheapest: float | None = None, currency: str = "USD") -> None:
+    """Latency percentiles and goodput against offered load, the knee marked; with cost figures
+    in the steps, a third panel of cost per million tokens with the cheapest load marked."""
     plt = require_matplotlib()
     loads = [float(s["offered"]) for s in steps]
-    fig, (lat, good) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    priced = any("cost" in s["report"] for s in steps)
+    fig, axes = plt.subplots(3 if priced else 2, 1, figsize=(10, 11 if priced else 8),
+                             sharex=True)
+    lat, good = axes[0], axes[1]
     for key, label, style in (("median_ttft_ms", "TTFT P50", "-"), ("p99_ttft_ms", "TTFT P99",
                                                                     "--"),
                               ("median_tpot_ms", "TPOT P50", "-"), ("p99_tpot_ms", "TPOT P99",
@@ -80,14 +84,33 @@ def plot_sweep(steps: Sequence[Mapping[str, Any]], knee: float | None, path: str
              color="gray", marker=".", label="SLO attainment %")
     att.set_ylabel("SLO attainment %")
     att.set_ylim(0, 105)
-    good.set_xlabel("offered load")
     good.set_ylabel("req/s")
     good.legend(loc="upper left")
+    if priced:
+        money = axes[2]
+        for key, label in (("cost_per_million_tokens", "per million tokens"),
+                           ("cost_per_million_goodput_tokens", "per million goodput tokens")):
+            ys = [s["report"].get(key) for s in steps]
+            money.plot(loads, [y if y is not None else float("nan") for y in ys], marker="o",
+                       label=label)
+        money.set_yscale("log")
+        money.set_ylabel(currency)
+        if cheapest is not None:
+            at = next(s["report"].get("cost_per_million_goodput_tokens") for s in steps
+                      if float(s["offered"]) == cheapest)
+            money.scatter([cheapest], [at], marker="*", s=220, color="tab:green", zorder=5,
+                          label=f"cheapest meeting the SLO: {cheapest:g} req/s, "
+                                f"{at:,.3f} {currency}/M goodput tokens")
+        money.legend(loc="upper right")
+    axes[-1].set_xlabel("offered load (req/s)")
     if knee is not None:
-        for ax in (lat, good):
+        for ax in axes:
             ax.axvline(knee, color="tab:red", linestyle="--")
         good.annotate(f"knee {knee:g}", (knee, 0), xytext=(5, 5), textcoords="offset points",
                       color="tab:red")
+    if cheapest is not None:
+        for ax in axes:
+            ax.axvline(cheapest, color="tab:green", linestyle=":")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

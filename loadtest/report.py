@@ -195,7 +195,8 @@ def figures(samples: Sequence[Sample], duration_s: float, slo: Mapping[str, floa
     rejected = [s for s in samples if s.kind == "rejected"]
     errors = [s for s in samples if s.kind == "error"]
     sent = len(samples)
-    good = sum(1 for s in ok if s.meets(slo))
+    met = [s for s in ok if s.meets(slo)]
+    good = len(met)
     dur = duration_s if duration_s > 0 else math.nan
     input_tokens = sum(s.input_len for s in ok)
     output_tokens = sum(s.output_len for s in ok)
@@ -217,6 +218,9 @@ def figures(samples: Sequence[Sample], duration_s: float, slo: Mapping[str, floa
         "rejection_rate_pct": 100.0 * len(rejected) / sent if sent else 0.0,
         "error_rate_pct": 100.0 * len(errors) / sent if sent else 0.0,
         "good": good if slo else None,
+        # Tokens of the requests meeting every SLO: what the cost per goodput token divides by.
+        "good_input_tokens": sum(s.input_len for s in met) if slo else None,
+        "good_output_tokens": sum(s.output_len for s in met) if slo else None,
         # Of everything sent: a rejection or an error misses the SLO as a user sees it.
         "slo_attainment_pct": 100.0 * good / sent if slo and sent else None,
         "slo_attainment_completed_pct": 100.0 * good / len(ok) if slo and ok else None,
@@ -278,6 +282,27 @@ def render_text(report: Mapping[str, Any]) -> str:
         row(f"Median {name.upper()} (ms):", f(f"median_{name}_ms"))
         for p in (90, 95, 99):
             row(f"P{p} {name.upper()} (ms):", f(f"p{p}_{name}_ms"))
+    cost = f("cost")
+    if cost:
+        cur = cost["currency"]
+        lines.append(f"{f'Cost ({cur})':-^62}")
+        price = f"{cost['gpus']} x {float(cost['per_gpu_hour']):,.2f}"
+        lines.append(f"{'GPUs x price per GPU-hour:':<44}{price:>18}")
+        row("Cost of the run:", f("cost_total"), 4)
+        share = cost.get("input_share")
+        row("Input share of the spend:",
+            "all on output" if share is None else float(share), 3)
+        for key, label in (("tokens", "Cost per million tokens:"),
+                           ("input_tokens", "Cost per million input tokens:"),
+                           ("output_tokens", "Cost per million output tokens:"),
+                           ("goodput_tokens", "Cost per million goodput tokens:"),
+                           ("goodput_input_tokens", "Cost per million goodput input tokens:"),
+                           ("goodput_output_tokens", "Cost per million goodput output tokens:")):
+            if "input" in key and cost.get("input_share") is None:
+                continue
+            if key.startswith("goodput") and f("request_goodput") is None:
+                continue
+            row(label, f(f"cost_per_million_{key}"), 3)
     gen = f("generator") or {}
     if gen:
         lines.append(f"{'Load generator':-^62}")

@@ -1,5 +1,8 @@
 """`loadtest run`: replay a trace or a synthetic load against one target and report it.
 
+With a price (`--gpu-hour P --gpus N`) the report also says what its tokens cost
+(`loadtest/pricing.py`).
+
 The options shared with `sweep` and `calibrate` are defined here once (`add_load_options`) and
 turned into the run's parts by `prepare`: every input is checked before the target is touched,
 and the target is checked (reachable, serving the model) before the clock starts.
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.pricing import Pricing, PricingError, add_cost_options, cost_figures, parse_pricing
 from loadtest.report import SloError, parse_slo, render_text
 from loadtest.runner import (
     LoadShape,
@@ -103,6 +107,7 @@ def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_options(p)
+    add_cost_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot latencies over the run (matplotlib)")
 
@@ -115,6 +120,7 @@ class Prepared:
     shape: LoadShape
     slo: dict[str, float]
     headers: dict[str, str]
+    pricing: Pricing | None = None  # --gpu-hour and --gpus: the report's cost figures
 
 
 def parse_shape(args: argparse.Namespace, workload: Workload, rate: float | None,
@@ -161,11 +167,15 @@ def prepare(args: argparse.Namespace, rate: float | None = None,
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError("--max-model-len must be at least 2")
     slo = parse_slo(args.slo)
+    try:
+        pricing = parse_pricing(args)
+    except PricingError as exc:
+        raise UsageError(str(exc)) from None
     workload = make_workload(args.trace, args.synthetic, args.seed, args.max_model_len,
                              args.trace_start)
     shape = parse_shape(args, workload, rate, concurrency)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return Prepared(workload, shape, slo, headers)
+    return Prepared(workload, shape, slo, headers, pricing)
 
 
 def make_builder(args: argparse.Namespace, model: str) -> PromptBuilder:
@@ -191,6 +201,8 @@ async def run_once(urls: list[str], model: str, builder: PromptBuilder, prep: Pr
             await asyncio.gather(side, return_exceptions=True)
     report = build_report(outcome, urls=urls, model=model, workload=prep.workload, shape=shape,
                           slo=prep.slo, seed=args.seed, endpoint=args.endpoint)
+    if prep.pricing is not None:
+        report.update(cost_figures(report, prep.pricing))
     return report, outcome
 
 

@@ -5,6 +5,10 @@ share of all sent: a rejection or an error is a miss) is still at or above the t
 every lower rate above it too: past the first failing rate, a lucky higher one is noise, not
 capacity. `--rates auto` doubles from `--start-rate` until a step fails, then bisects between
 the last passing and the first failing rate; every search is bounded by `--max-steps`.
+
+With a price (`--gpu-hour P --gpus N`) every step carries its cost figures and the sweep names
+the cheapest load: the step at or below the knee with the lowest cost per million goodput
+tokens (`loadtest/pricing.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.pricing import add_cost_options, cheapest
 from loadtest.run_cli import (
     Prepared,
     UsageError,
@@ -51,6 +56,7 @@ def add_sweep_options(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_options(p, pace=False)
     add_sweep_options(p)
+    add_cost_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write every step's report and the knee")
     p.add_argument("--plot", metavar="FILE.png", help="latency percentiles and goodput vs load")
 
@@ -95,6 +101,10 @@ class Sweep:
         knee = self.knee
         return next((s for s in self.steps if s["offered"] == knee), None)
 
+    def cheapest_step(self) -> dict[str, Any] | None:
+        """The load at or below the knee with the lowest cost per million goodput tokens."""
+        return cheapest(self.steps, self.passed, self.knee)
+
 
 def _fmt(v: Any, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
@@ -102,15 +112,22 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 def step_line(step: dict[str, Any]) -> str:
     r = step["report"]
+    cost = (f" {_fmt(r.get('cost_per_million_goodput_tokens'), 3):>12}" if "cost" in r
+            else "")
     return (f"{step['offered']:>8g} {r['sent']:>6} {_fmt(r['request_throughput'], 2):>8} "
             f"{_fmt(r['request_goodput'], 2):>8} {_fmt(r['slo_attainment_pct']):>7} "
             f"{_fmt(r['median_ttft_ms']):>9} {_fmt(r['p99_ttft_ms']):>9} "
             f"{_fmt(r['median_tpot_ms']):>8} {_fmt(r['p99_tpot_ms']):>8} "
-            f"{_fmt(r['rejection_rate_pct']):>6} {_fmt(r['error_rate_pct']):>6}")
+            f"{_fmt(r['rejection_rate_pct']):>6} {_fmt(r['error_rate_pct']):>6}{cost}")
 
 
 HEADER = (f"{'rate':>8} {'sent':>6} {'req/s':>8} {'goodput':>8} {'SLO%':>7} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TPOT p50':>8} {'TPOT p99':>8} {'rej%':>6} {'err%':>6}")
+
+
+def header(currency: str | None) -> str:
+    """HEADER, with the cost per million goodput tokens' column when the steps are priced."""
+    return HEADER if currency is None else HEADER + f" {currency + '/M good':>12}"
 
 
 async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: Prepared,
@@ -118,7 +135,7 @@ async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: P
                     hook: StepHook | None = None) -> Sweep:
     """Run the steps (a list, or the auto search) and return them with the knee."""
     sweep = Sweep(args.target_attainment)
-    print(HEADER, flush=True)
+    print(header(prep.pricing.currency if prep.pricing is not None else None), flush=True)
 
     async def step(rate: float) -> bool:
         if sweep.steps:
@@ -164,11 +181,28 @@ async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: P
 
 
 def summary(sweep: Sweep, prep: Prepared, args: argparse.Namespace) -> dict[str, Any]:
-    return {"sweep": {"target_attainment_pct": sweep.target_pct, "knee_rate": sweep.knee,
-                      "slo": args.slo, "workload": prep.workload.source,
-                      "arrival": prep.shape.arrival.describe(), "duration_s": args.duration,
-                      "rates": [s["offered"] for s in sweep.steps]},
-            "steps": sorted(sweep.steps, key=lambda s: float(s["offered"]))}
+    head: dict[str, Any] = {
+        "target_attainment_pct": sweep.target_pct, "knee_rate": sweep.knee, "slo": args.slo,
+        "workload": prep.workload.source, "arrival": prep.shape.arrival.describe(),
+        "duration_s": args.duration, "rates": [s["offered"] for s in sweep.steps]}
+    if prep.pricing is not None:
+        best = sweep.cheapest_step()
+        head["cost"] = prep.pricing.describe()
+        head["cheapest_rate"] = best["offered"] if best is not None else None
+        head["cheapest_cost_per_million_goodput_tokens"] = (
+            best["report"]["cost_per_million_goodput_tokens"] if best is not None else None)
+    return {"sweep": head, "steps": sorted(sweep.steps, key=lambda s: float(s["offered"]))}
+
+
+def cheapest_line(sweep: Sweep, currency: str) -> str:
+    best = sweep.cheapest_step()
+    if best is None:
+        return (f"cheapest: none: no load kept SLO attainment >= {sweep.target_pct:g}% with "
+                "every lower load passing")
+    r = best["report"]
+    return (f"cheapest: {best['offered']:g} req/s at {r['cost_per_million_goodput_tokens']:,.3f}"
+            f" {currency} per million goodput tokens ({r['cost_per_million_tokens']:,.3f} per "
+            f"million tokens, SLO attainment {r['slo_attainment_pct']:.1f}%)")
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -198,14 +232,19 @@ async def _run(args: argparse.Namespace) -> int:
         if not sweep.bounded:
             note(f"every rate kept the SLOs: the knee is at least {knee:g} req/s; add higher "
                  "rates to find it")
+    if prep.pricing is not None:
+        print(cheapest_line(sweep, prep.pricing.currency))
     if args.out:
         write_json(args.out, summary(sweep, prep, args))
         note(f"sweep written to {args.out}")
     if args.plot:
         from loadtest.plot import plot_sweep
 
+        best = sweep.cheapest_step()
         plot_sweep(sorted(sweep.steps, key=lambda s: float(s["offered"])), knee, args.plot,
-                   f"{model} - {prep.workload.source} - SLO {args.slo}")
+                   f"{model} - {prep.workload.source} - SLO {args.slo}",
+                   cheapest=best["offered"] if best is not None else None,
+                   currency=prep.pricing.currency if prep.pricing is not None else "USD")
         note(f"plot written to {args.plot}")
     return 0
 

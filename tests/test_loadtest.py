@@ -124,7 +124,8 @@ def test_sweep_knee_moves_when_engine_capacity_halves(start_sim: StartSim,
                                                       tmp_path: Path) -> None:
     # 360 blocks hold ten 576-token requests at once, 180 hold five: half the capacity.
     sweep = ("sweep", *LOAD, "--rates", "2.5,5,10", "--arrival", "constant", "--duration",
-             "2.5", "--slo", SLO, "--target-attainment", "90", "--pause", "0.2")
+             "2.5", "--slo", SLO, "--target-attainment", "90", "--pause", "0.2",
+             "--gpu-hour", "2.5", "--gpus", "1")
     with start_sim("--num-gpu-blocks", "360") as full, \
             start_sim("--num-gpu-blocks", "180") as half:
         outs = [tmp_path / "full.json", tmp_path / "half.json"]
@@ -139,9 +140,18 @@ def test_sweep_knee_moves_when_engine_capacity_halves(start_sim: StartSim,
     assert knee_full is not None and knee_half is not None, results[1].stdout
     assert knee_half < knee_full, (results[0].stdout, results[1].stdout)
     assert "knee: " in results[0].stdout
-    steps = json.loads(outs[1].read_text())["steps"]
+    half_sweep = json.loads(outs[1].read_text())
+    steps = half_sweep["steps"]
     assert [s["offered"] for s in steps] == [2.5, 5.0, 10.0]
     assert steps[-1]["report"]["slo_attainment_pct"] < 90
+    # Priced: every step carries its cost, and the cheapest load is the passing step (at or
+    # below the knee) with the lowest cost per million goodput tokens.
+    passing = [s for s in steps if s["offered"] <= knee_half]
+    best = min(passing, key=lambda s: s["report"]["cost_per_million_goodput_tokens"])
+    assert half_sweep["sweep"]["cheapest_rate"] == best["offered"]
+    assert half_sweep["sweep"]["cheapest_cost_per_million_goodput_tokens"] == \
+        best["report"]["cost_per_million_goodput_tokens"]
+    assert f"cheapest: {best['offered']:g} req/s at " in results[1].stdout
 
 
 def _admin(url: str, method: str, path: str) -> tuple[int, Any]:
