@@ -9,6 +9,9 @@ pass-through proxies as real processes on loopback, then measures them side by s
      chunks/s it relays, its CPU (from /proc/PID/stat) and chunks per CPU-second.
   C. Stalls: many streams at the target relay rate; per stream the longest gap between reads
      beyond the engine's own interval; the gateway's event-loop lag and GC pauses from /metrics.
+  D. Forced full GC: 100 streams through a second gateway started with
+     GATEWAY_DEBUG_GC_EVERY_S=1 (a full gc.collect() on its loop every second), beside the
+     plain gateway and direct: the stall a full collection adds, and its measured pause.
 
 On a 2-core machine the proxy under test is pinned to CPU 1 and the engine and this client to
 CPU 0 (`--no-pin` to turn off): the proxy gets a core of its own, as in production, and its
@@ -128,8 +131,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
 
 
 @contextlib.contextmanager
-def start(name: str, argv: list[str], health: str, workdir: Path, cpu: int | None
-          ) -> Iterator[Proc]:
+def start(name: str, argv: list[str], health: str, workdir: Path, cpu: int | None,
+          env: dict[str, str] | None = None) -> Iterator[Proc]:
     port = _free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
     if cpu is not None:
@@ -137,7 +140,7 @@ def start(name: str, argv: list[str], health: str, workdir: Path, cpu: int | Non
     log = workdir / f"{name}.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     proc = Proc(name, f"http://127.0.0.1:{port}", process, log)
     try:
         _wait_http(proc.url + health, process, log, 60.0)
@@ -189,13 +192,18 @@ def hist_delta(before: dict[float, float], after: dict[float, float]) -> HistDel
     return HistDelta(total, p99, top)
 
 
+def gc_delta(before: str | None, after: str | None, gen: str) -> HistDelta:
+    """One generation's GC pauses between two /metrics scrapes."""
+    label = f'generation="{gen}"'
+    return hist_delta(histogram(before, "gateway_gc_pause_seconds", label),
+                      histogram(after, "gateway_gc_pause_seconds", label))
+
+
 def gc_summary(before: str | None, after: str | None) -> str:
     """The gateway's GC pauses between two /metrics scrapes, per generation."""
     parts = []
     for gen in ("0", "1", "2"):
-        label = f'generation="{gen}"'
-        d = hist_delta(histogram(before, "gateway_gc_pause_seconds", label),
-                       histogram(after, "gateway_gc_pause_seconds", label))
+        d = gc_delta(before, after, gen)
         if d.count:
             parts.append(f"gen{gen} n={d.count:.0f} max <= {_ms(d.max_le)}")
     return ", ".join(parts) or "none"
@@ -279,6 +287,7 @@ class TtftRun:
     client_lag_max: float
     loop_lag: HistDelta | None
     gc: str
+    gc_full: HistDelta | None = None   # generation-2 pauses (the gateway's metric)
     attempts: int = 1
 
 
@@ -314,6 +323,17 @@ def gateway_figures(t: Target, before: str | None, after: str | None
     return hist_delta(histogram(before, name), histogram(after, name)), gc_summary(before, after)
 
 
+def client_gc_quiet() -> None:
+    """Collect, then freeze what survives, in this (the client's) process.
+
+    The client keeps every run's results; without this, a full collection that the growing
+    heap triggers mid-run stalls the client's own loop (79 ms was seen late in a run) and
+    shows as a stall of every stream, through whichever target is being measured.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, duration_s: float,
                    ttft_ms: float, itl_ms: float) -> TtftRun:
     spec = chat_request(MODEL, "Say hello.", tokens,
@@ -323,7 +343,7 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
         # Warm-up: open the connections (through the proxy too) before anything is timed.
         await run_closed(client, spec, concurrency=streams, count=streams, duration_s=10,
                          ramp_s=one_request_s / 2)
-        gc.collect()
+        client_gc_quiet()
         before = metrics_text(t.url) if t.metrics else None
         s0 = snapshot(engine, t.proc)
         async with LoopLagProbe() as lag:
@@ -336,7 +356,8 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
     gaps = excess_gaps(run, itl_ms / 1e3)
     return TtftRun(t.name, percentile(ttfts, 50), percentile(ttfts, 99), len(ttfts),
                    len(run.errors()), percentile(gaps, 99), max(gaps, default=math.nan),
-                   usage, lag.max_s, lag_delta, gc_note)
+                   usage, lag.max_s, lag_delta, gc_note,
+                   gc_delta(before, after, "2") if t.metrics else None)
 
 
 async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, stream_s: float,
@@ -346,6 +367,7 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
     spec = chat_request(MODEL, "Say hello.", tokens,
                         extra={"stub_ttft_ms": 50.0, "stub_itl_ms": itl_ms})
     warm_s = 0.5 + stream_s / 2   # ramp plus half a stream: every stream is in flight
+    client_gc_quiet()
     async with StreamClient(t.url, connections=streams * 2, record_gaps=False) as client:
         task = asyncio.create_task(run_closed(client, spec, concurrency=streams,
                                               count=1_000_000, duration_s=warm_s + window_s,
@@ -431,13 +453,17 @@ def write_doc(path: Path, body: list[str]) -> None:
 # ---------------------------------------------------------------- main
 
 async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
-                  out: Report) -> None:
+                  out: Report,
+                  start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
+                  | None = None) -> None:
     if "A" in args.parts:
         await part_a(args, targets, engine, out)
     if "B" in args.parts:
         await part_b(args, targets, engine, out)
     if "C" in args.parts:
         await part_c(args, targets, engine, out)
+    if "D" in args.parts and start_gc_gateway is not None:
+        await part_d(args, targets, engine, out, start_gc_gateway)
 
 
 async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> float:
@@ -628,9 +654,78 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
                "client CPU", "other load", "client lag max", "gateway loop lag",
                "gateway GC pauses"], rows)
     out("A stall seen direct as well as through the gateway belongs to the engine or the "
-        "client (both on CPU 0), not to the gateway. A forced full collection is not "
-        "measured: the gateway has no debug hook to trigger one; the GC pauses above are the "
-        "ones that happened during the run.")
+        "client (both on CPU 0), not to the gateway. The GC pauses above are the ones that "
+        "happened during the run; part D forces full collections.")
+    out()
+
+
+GC_TARGET = "gateway+gc1s"
+
+
+async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, out: Report,
+                 start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
+                 ) -> None:
+    """Stalls at 100 streams with and without a forced full collection every second.
+
+    The forcing gateway is a second process, started only for this part (on the proxy's
+    CPU, like the plain one), so parts A-C never share a core with its collections.
+    """
+    streams, itl_ms, tokens = args.streams, 20.0, 100
+    out(f"## D. Forced full GC: {streams} streams at {itl_ms:g} ms/token, {args.gc_s:g} s per "
+        f"run, {args.gc_repeats} repeats; `{GC_TARGET}` is a gateway started with "
+        "GATEWAY_DEBUG_GC_EVERY_S=1")
+    out()
+    with start_gc_gateway() as proc:
+        forced = Target(GC_TARGET, proc.url, proc, metrics=True)
+        plain = [t for t in targets if t.name in ("direct", "gateway")]
+        order0 = [*plain, forced]
+        everyone = ours([*targets, forced], engine)
+        runs: dict[str, list[TtftRun]] = {t.name: [] for t in order0}
+        rows = []
+        for rep in range(args.gc_repeats):
+            order = order0[rep % len(order0):] + order0[:rep % len(order0)]
+            if rep % 2:
+                order.reverse()
+            for t in order:
+                r = await retried(args, f"gc rep {rep} {t.name}", functools.partial(
+                    ttft_run, t, engine, streams=streams, tokens=tokens,
+                    duration_s=args.gc_s, ttft_ms=50.0, itl_ms=itl_ms), everyone)
+                runs[t.name].append(r)
+                print(f"  gc rep {rep} {t.name:<13} stall p99 {f_ms(r.excess_gap_p99)} max "
+                      f"{f_ms(r.excess_gap_max)} {r.usage.show()} gc {r.gc or '-'}",
+                      flush=True)
+                proxied = t.proc is not None
+                rows.append([t.name, str(rep), f_ms(r.p50), f_ms(r.p99),
+                             f_ms(r.excess_gap_p99), f_ms(r.excess_gap_max),
+                             f_pct(r.usage.proxy) if proxied else "", f_pct(r.usage.client),
+                             f_pct(r.usage.other), f_ms(r.client_lag_max),
+                             "" if r.loop_lag is None else r.loop_lag.show(), r.gc])
+    out.table(["target", "rep", "TTFT P50", "TTFT P99", "stall P99", "stall max", "proxy CPU",
+               "client CPU", "other load", "client lag max", "gateway loop lag",
+               "gateway GC pauses"], rows)
+    out("Side by side (stall P99: median over repeats; stall max: worst of all repeats; "
+        "full collections: `gateway_gc_pause_seconds{generation=\"2\"}` over all repeats, "
+        "timed in the collecting thread's CPU time):")
+    out()
+    summary = []
+    for name, rs in runs.items():
+        row = [name, f_ms(median([r.excess_gap_p99 for r in rs])),
+               f_ms(max(r.excess_gap_max for r in rs))]
+        if name != "direct":
+            lags = [r.loop_lag for r in rs if r.loop_lag is not None and r.loop_lag.count]
+            full = [r.gc_full for r in rs if r.gc_full is not None and r.gc_full.count]
+            row += [f"{max(x.max_le for x in lags) * 1e3:g}" if lags else "no samples",
+                    f"{sum(x.count for x in full):.0f}",
+                    f"<= {max(x.max_le for x in full) * 1e3:g}" if full else ""]
+        else:
+            row += ["", "", ""]
+        summary.append(row)
+    out.table(["target", "stall P99", "stall max", "loop lag max (bucket, ms)",
+               "full collections", "full-GC pause max (bucket, ms)"], summary)
+    out("A full collection holds the loop, so every stream in flight waits for it; with a "
+        "collection every second and 2 s streams, each stream sees about two, so the stall "
+        "P99 of the forcing gateway includes them. Objects frozen at start-up (`gc.freeze()`) "
+        "are not traversed.")
     out()
 
 
@@ -648,9 +743,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stall-streams", type=int, default=300)
     p.add_argument("--stall-s", type=float, default=5.0)
     p.add_argument("--stall-repeats", type=int, default=2)
+    p.add_argument("--gc-s", type=float, default=10.0,
+                   help="seconds per part-D run (one forced full collection per second)")
+    p.add_argument("--gc-repeats", type=int, default=3)
     p.add_argument("--targets", default="gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway, aiohttp, httpx")
-    p.add_argument("--parts", default="ABC", help="which parts to run, e.g. A or BC")
+    p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
                    help="info keeps the access log on, as deployed (it goes to a file)")
     p.add_argument("--retries", type=int, default=2,
@@ -674,6 +772,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.repeats, args.ttft_s, args.sat_window_s = 1, 2.0, 1.5
         args.sat_itl_ms, args.stall_s, args.stall_repeats = [20.0, 5.0], 2.0, 1
+        args.gc_s, args.gc_repeats = 4.0, 1
     return args
 
 
@@ -717,15 +816,22 @@ def main(argv: list[str] | None = None) -> int:
             "engine", [py, "benchmarks/stub_engine.py", "--port", "{port}"], "/health", work,
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
+        policy = work / "policy.yaml"
+        policy.write_text(POLICY.format(model=MODEL, engine=engine.url))
+
+        def gateway(name: str, env: dict[str, str] | None = None
+                    ) -> contextlib.AbstractContextManager[Proc]:
+            return start(name, [args.gateway, "serve", "--policy", str(policy), "--port",
+                                "{port}", "--log-level", args.gateway_log_level], "/readyz",
+                         work, proxy_cpu, env)
+
+        start_gc_gateway = None
         for name in wanted:
             if name == "gateway":
-                policy = work / "policy.yaml"
-                policy.write_text(POLICY.format(model=MODEL, engine=engine.url))
-                proc = stack.enter_context(start(
-                    "gateway", [args.gateway, "serve", "--policy", str(policy), "--port",
-                                "{port}", "--log-level", args.gateway_log_level], "/readyz", work,
-                    proxy_cpu))
+                proc = stack.enter_context(gateway("gateway"))
                 targets.append(Target("gateway", proc.url, proc, metrics=True))
+                start_gc_gateway = functools.partial(
+                    gateway, "gateway-gc", {"GATEWAY_DEBUG_GC_EVERY_S": "1"})
             elif name in ("aiohttp", "httpx"):
                 proc = stack.enter_context(start(
                     f"minimal-{name}", [py, "benchmarks/minimal_proxies.py", "--client", name,
@@ -744,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `python benchmarks/proxy_overhead.py {' '.join(argv or sys.argv[1:])}`")
         out()
         import uvloop
-        uvloop.run(measure(args, targets, engine, out))
+        uvloop.run(measure(args, targets, engine, out, start_gc_gateway))
         out(f"Total run time {time.time() - started:.0f} s.")
     if args.write:
         write_doc(args.write, out.lines)
