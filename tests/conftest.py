@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,6 +91,30 @@ def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     """Sum of the samples of `name` whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def settled(url: str, name: str, want: float, timeout: float = 5.0,
+            **labels: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape until `name` reaches `want`: a request is counted just after its last byte is
+    sent, so a client that has read the whole answer can be a moment ahead of /metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if metric(samples, name, **labels) >= want or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
+def quiet(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape until nothing is in flight or reserved: releases follow the last byte sent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        busy = metric(samples, "gateway_kv_blocks_reserved") + \
+            metric(samples, "gateway_inflight_requests")
+        if busy == 0 or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
 
 
 @pytest.fixture

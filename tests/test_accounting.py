@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.tenants import hash_key
-from tests.conftest import StartGateway, StartSim, metric, scrape
+from tests.conftest import StartGateway, StartSim, metric, scrape, settled
 from tests.servers import Server
 
 ADMIN = "sk-admin"
@@ -65,7 +65,7 @@ def test_token_counters_match_engine_usage(start_sim: StartSim,
                                        extra_body={"ignore_eos": True}))
         client.completions.create(model="test-model", prompt=[5, 6, 7], max_tokens=3,
                                   extra_body={"ignore_eos": True})
-        g, e = scrape(gw.url), scrape(sim.url)
+        g, e = settled(gw.url, "gateway_tokens_total", 40, kind="output"), scrape(sim.url)
         prompt = metric(g, "gateway_tokens_total", kind="input") + \
             metric(g, "gateway_tokens_total", kind="cached")
         assert prompt == metric(e, "vllm:prompt_tokens_total")
@@ -108,7 +108,7 @@ def test_cost_per_million_recomputed_by_hand(start_sim: StartSim,
         for n in (20, 30, 50):
             client.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
                                            max_tokens=n, extra_body={"ignore_eos": True})
-        g = scrape(gw.url)
+        g = settled(gw.url, "gateway_tokens_total", 100, kind="output")
         assert metric(g, "gateway_cost_per_hour", pool="default") == 10.0  # 1 x 4 GPUs x 2.50
         inp = metric(g, "gateway_tokens_total", kind="input")
         out = metric(g, "gateway_tokens_total", kind="output")
@@ -121,8 +121,9 @@ def test_cost_per_million_recomputed_by_hand(start_sim: StartSim,
         before = metric(scrape(gw.url), "gateway_tenant_cost_total", tenant="team-a")
         client.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=10,  # type: ignore[arg-type]
                                        extra_body={"ignore_eos": True})
-        charged = metric(scrape(gw.url), "gateway_tenant_cost_total", tenant="team-a") - before
-        prompt = metric(scrape(gw.url), "gateway_tokens_total", kind="input") - inp
+        after = settled(gw.url, "gateway_tokens_total", 110, kind="output")
+        charged = metric(after, "gateway_tenant_cost_total", tenant="team-a") - before
+        prompt = metric(after, "gateway_tokens_total", kind="input") - inp
         expected = (prompt * snap["per_million_input"] + 10 * snap["per_million_output"]) / 1e6
         assert charged == pytest.approx(expected, rel=0.05)
 

@@ -10,7 +10,7 @@ import socket
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
+from tests.conftest import StartGateway, StartSim, metric, policy_yaml, quiet
 from tests.servers import Server
 
 
@@ -69,7 +69,7 @@ def test_flood_is_answered_503_at_once(start_sim: StartSim,
         assert statuses.count(200) >= 3
         busy = [b for s, b in results if s == 503]
         assert busy and b'"code":"server_busy"' in busy[0]
-        assert metric(scrape(gw.url), "gateway_inflight_requests") == 0
+        assert metric(quiet(gw.url), "gateway_inflight_requests") == 0
 
 
 json_values = st.recursive(
@@ -124,7 +124,7 @@ def test_fuzzed_bodies_never_5xx_and_leave_nothing_reserved(
     one()
     assert sum(seen.values()) >= 2500
     assert seen.get(200, 0) >= 1 and seen.get(400, 0) >= 100, seen
-    s = scrape(gw.url)
+    s = quiet(gw.url)
     assert metric(s, "gateway_kv_blocks_reserved") == 0
     assert metric(s, "gateway_inflight_requests") == 0
     assert metric(s, "gateway_queue_depth") == 0

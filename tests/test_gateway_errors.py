@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
+from tests.conftest import StartGateway, StartSim, metric, policy_yaml, quiet, scrape, settled
 from tests.servers import Server
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -171,13 +171,14 @@ def test_upstream_4xx_passes_through_unchanged(start_sim: StartSim,
         assert direct[0] == via[0] == 400
         assert direct[2] == via[2]
         assert via[1]["x-gateway-backend"] == "e0"
-        assert metric(scrape(gw.url), "gateway_kv_blocks_reserved") == 0
+        assert metric(quiet(gw.url), "gateway_kv_blocks_reserved") == 0
 
 
 def test_rejections_leave_nothing_in_flight(gw: Server) -> None:
     for body in (b"{", b'{"model": "nope", "messages": [{"role": "user"}]}'):
         post(gw, "/v1/chat/completions", body)
-    s = scrape(gw.url)
+    settled(gw.url, "gateway_requests_total", 1, status="404")
+    s = quiet(gw.url)
     assert metric(s, "gateway_inflight_requests") == 0
     assert metric(s, "gateway_requests_total", status="400") >= 1
     assert metric(s, "gateway_requests_total", status="404") >= 1
@@ -192,7 +193,7 @@ def test_upstream_5xx_becomes_502_naming_the_backend(start_sim: StartSim,
         assert err.value.status_code == 502
         assert err.value.response.headers["x-gateway-backend"] == "e0"
         assert "The engine `e0` failed with HTTP 500" in err.value.message
-        s = scrape(gw.url)
+        s = quiet(gw.url)
         assert metric(s, "gateway_upstream_errors_total", kind="status_5xx") == 1
         assert metric(s, "gateway_kv_blocks_reserved") == 0
 
@@ -211,7 +212,7 @@ def test_stream_broken_mid_way_ends_with_sse_error(start_sim: StartSim,
                 got += 1
         assert got >= 1
         assert "broke off the stream" in err.value.message
-        s = scrape(gw.url)
+        s = settled(gw.url, "gateway_requests_total", 1, status="502")
         assert metric(s, "gateway_upstream_errors_total", kind="disconnect") == 1
         assert metric(s, "gateway_requests_total", status="502") == 1
         assert metric(s, "gateway_inflight_requests") == 0

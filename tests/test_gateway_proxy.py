@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
+from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape, settled
 from tests.servers import Server, free_port
 
 
@@ -79,7 +79,7 @@ def test_metrics_after_traffic(sim_and_gateway: tuple[Server, Server]) -> None:
         list(c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
                                        max_tokens=4, stream=True,
                                        extra_body={"ignore_eos": True}))
-    s = scrape(gw.url)
+    s = settled(gw.url, "gateway_requests_total", 3, pool="default", status="200")
     assert metric(s, "gateway_requests_total", pool="default", status="200") >= 3
     assert metric(s, "gateway_ttft_seconds_count", pool="default") >= 3
     assert metric(s, "gateway_tpot_seconds_count", pool="default") >= 3

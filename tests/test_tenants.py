@@ -17,7 +17,7 @@ from aiohttp import web
 from openai import OpenAI
 
 from gateway.tenants import hash_key
-from tests.conftest import StartGateway, StartSim, metric, scrape
+from tests.conftest import StartGateway, StartSim, metric, quiet, scrape
 from tests.servers import Server, free_port, gateway_cmd, run_server
 
 KEY_A, KEY_B, KEY_SHED, ADMIN = "sk-team-a", "sk-team-b", "sk-batch", "sk-admin-secret"
@@ -276,7 +276,7 @@ def test_reload_valid_keeps_streams_and_invalid_changes_nothing(
                     time.sleep(0.1)
             else:
                 pytest.fail("SIGHUP did not reload the policy")
-            s = scrape(gw.url)
+            s = quiet(gw.url)
             assert metric(s, "gateway_policy_reloads_total", result="ok") == 2
             assert metric(s, "gateway_policy_reloads_total", result="invalid") == 1
             assert metric(s, "gateway_kv_blocks_reserved") == 0
@@ -295,7 +295,7 @@ def test_shadow_mode_counts_but_forwards(start_sim: StartSim,
 
         with cf.ThreadPoolExecutor(6) as pool:
             assert list(pool.map(one, range(6))) == [200] * 6  # all forwarded
-        s = scrape(gw.url)
+        s = quiet(gw.url)
         assert metric(s, "gateway_shadow_decisions_total", decision="rejected") >= 1
         assert metric(s, "gateway_shadow_decisions_total", decision="admitted") >= 1
         assert metric(s, "gateway_admission_decisions_total", decision="rejected") == 0
