@@ -152,7 +152,7 @@ HEADER = (f"{'configuration':<34} {'goodput':>8} {'thruput':>8} {'SLO met':>8} {
           f" {'s':>8} {'ms':>8}")
 
 
-def part_a(tmp: Path, quick: bool) -> dict[str, Any]:
+def part_a(tmp: Path, quick: bool, knee: tuple[float, float] | None = None) -> dict[str, Any]:
     duration = 30.0 if quick else 60.0
     blocks = ["--num-gpu-blocks", "1536"]
     urls, specs = engines(2, blocks)
@@ -160,24 +160,28 @@ def part_a(tmp: Path, quick: bool) -> dict[str, Any]:
     rates = [1.0, 2.0, 3.0] if quick else [1.0, 1.5, 2.0, 2.5, 3.0, 4.0]
     with processes(specs, tmp):
         print("Part A: sweep direct to the engines to find the knee", flush=True)
-        for rate in rates:
+        for rate in rates if knee is None else []:
             r = run_load(urls, AZURE, rate, duration, tmp / f"direct-{rate}.json")
             results["sweep"].append({"rate": rate, **{k: r.get(k) for k in (
                 "request_goodput", "request_throughput", "slo_attainment_pct",
                 "p99_ttft_ms", "p99_tpot_ms")}})
             print(f"  rate {rate:4.1f}/s: goodput {r.get('request_goodput', 0):.2f}/s, "
                   f"SLO met {r.get('slo_attainment_pct', 0):.1f}%", flush=True)
+    if knee is not None:  # a knee measured by an earlier sweep of the same engines
+        results["sweep"].append({"rate": knee[0], "request_goodput": knee[1],
+                                 "slo_attainment_pct": 100.0, "given": True})
     best = max(results["sweep"], key=lambda s: s["request_goodput"] or 0)
-    knee = max((s for s in results["sweep"] if (s["slo_attainment_pct"] or 0) >= 95),
-               key=lambda s: s["rate"], default=best)
-    overload = 2 * knee["rate"]
-    results.update(peak_goodput=best["request_goodput"], knee_rate=knee["rate"],
+    knee_step = max((s for s in results["sweep"] if (s["slo_attainment_pct"] or 0) >= 95),
+                    key=lambda s: s["rate"], default=best)
+    overload = 2 * knee_step["rate"]
+    results.update(peak_goodput=best["request_goodput"], knee_rate=knee_step["rate"],
                    overload_rate=overload)
-    print(f"  knee at {knee['rate']}/s, peak goodput {best['request_goodput']:.2f}/s; "
+    print(f"  knee at {knee_step['rate']}/s, peak goodput {best['request_goodput']:.2f}/s; "
           f"overload = {overload}/s", flush=True)
 
+    # Queue up to 3/4 of the TTFT SLO: the rest is left for prefill and the first token.
     reserve = ("    admission: {kv_usage_max: 0.9, queue_size: 64, queue_wait_max_s: "
-               f"{SLO['ttft'] / 2:g}, ttft_p99_max_s: {SLO['ttft'] * 0.75:g}, "
+               f"{SLO['ttft'] * 0.75:g}, ttft_p99_max_s: {SLO['ttft'] * 0.75:g}, "
                f"tpot_p99_max_s: {SLO['tpot'] * 0.9:g}}}\n")
     static = "    admission: {mode: static}\n"
     runs: dict[str, dict[str, Any]] = {}
@@ -263,6 +267,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
     ap.add_argument("--part", choices=("a", "b", "both"), default="both")
     ap.add_argument("--out", help="write all figures as JSON here")
+    ap.add_argument("--knee", type=float, nargs=2, metavar=("RATE", "GOODPUT"),
+                    help="skip part A's sweep: the knee rate and peak goodput of an earlier one")
     args = ap.parse_args()
     for trace in (AZURE, MOONCAKE):
         if not trace.exists():
@@ -272,7 +278,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.part in ("a", "both"):
-            out["a"] = part_a(tmp, args.quick)
+            out["a"] = part_a(tmp, args.quick, tuple(args.knee) if args.knee else None)
             print("\n" + HEADER)
             for name, r in out["a"]["runs"].items():
                 print(row(name, r))
