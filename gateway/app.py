@@ -185,7 +185,6 @@ class GatewayApp:
         self.runtime = rt
         self.policy = rt.policy
         self.max_active = rt.policy.server.max_concurrent_requests
-        self.starlette.state.runtime = rt
         sig = rt.policy.signals
         self._tasks = [
             asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),

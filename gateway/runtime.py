@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import aiohttp
+from starlette.requests import Request
 
 from gateway.accounting import Accountant
 from gateway.admission.controller import Admission
@@ -41,6 +42,13 @@ class Runtime:
     quotas: Quotas
     accountant: Accountant
     started_at: float
+
+
+def runtime_of(request: Request) -> Runtime | None:
+    """The runtime in force, for any app the gateway serves (main or admin-only): both hold
+    the gateway, and a reload swaps the runtime there."""
+    gateway = getattr(request.app.state, "gateway", None)
+    return None if gateway is None else gateway.runtime
 
 
 def make_session(policy: Policy) -> aiohttp.ClientSession:

@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -311,6 +312,9 @@ def test_admin_api_refuses_tenant_keys_and_can_have_its_own_port(
                       "--admin-port", str(admin_port))
     with run_server(cmd, "/healthz", tmp_path, "gw") as gw:
         assert request(gw, "GET", "/admin/state", ADMIN)[0] == 404  # not on the main port
+        # The admin port also serves health and metrics, from the same runtime.
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as r:
+            assert b"gateway_backend_up" in r.read()
         status, body = request(gw, "GET", "/admin/state", KEY_A, port=admin_port)
         assert status == 401 and body["error"]["code"] == "invalid_admin_key"  # type: ignore[index]
         assert request(gw, "GET", "/admin/state", None, port=admin_port)[0] == 401

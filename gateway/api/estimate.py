@@ -15,11 +15,12 @@ from starlette.responses import Response
 from gateway.admission.controller import Ask
 from gateway.costing import cost_request
 from gateway.protocol import BodyTooLarge, Endpoint, GatewayError, parse_request
-from gateway.runtime import Runtime
+from gateway.runtime import runtime_of
 
 
 async def estimate_endpoint(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt = runtime_of(request)
+    assert rt is not None, "lifespan has not run"
     body = await request.body()
     if len(body) > rt.policy.server.max_body_bytes:
         return _error(BodyTooLarge(f"The request body exceeds the limit of "

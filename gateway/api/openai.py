@@ -33,7 +33,7 @@ from gateway.protocol import (
     parse_request,
 )
 from gateway.proxy import ClientGone, Exchange
-from gateway.runtime import Runtime
+from gateway.runtime import Runtime, runtime_of
 from gateway.tenants import QuotaTicket
 
 log = logging.getLogger("gateway.api")
@@ -306,7 +306,8 @@ async def _send_error(send: Send, err: GatewayError, rid: tuple[bytes, bytes]) -
 
 
 async def list_models(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt = runtime_of(request)
+    assert rt is not None, "lifespan has not run"
     created = int(rt.started_at)
     data = [{"id": m.name, "object": "model", "created": created, "owned_by": "gateway"}
             for m in rt.policy.models]

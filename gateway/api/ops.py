@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.metrics import exposition_registry
-from gateway.runtime import Runtime
+from gateway.runtime import runtime_of
 
 
 async def healthz(request: Request) -> Response:
@@ -18,7 +18,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    rt: Runtime | None = getattr(request.app.state, "runtime", None)
+    rt = runtime_of(request)
     if rt is None:
         return _json({"status": "not ready", "reason": "policy not loaded"}, 503)
     now = rt.backends.clock()
@@ -38,7 +38,8 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt = runtime_of(request)
+    assert rt is not None, "lifespan has not run"
     # Rendering walks every series; do it off the event loop.
     text = await asyncio.to_thread(
         lambda: generate_latest(exposition_registry(rt.metrics.registry)))
