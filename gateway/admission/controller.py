@@ -279,10 +279,7 @@ class Admission:
         if ticket is not None:
             self.metrics.shadow_decisions.labels(ps.name, "admitted", reason).inc()
             return ticket
-        ahead = ps.queue.work_ahead(ask.priority, ask.caller)
-        predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
-        deadline = min(ps.spec.admission.queue_wait_max_s,
-                       ask.deadline_s if ask.deadline_s is not None else float("inf"))
+        predicted, deadline = self._outlook(ps, ask)
         would_wait = ps.spec.admission.queue_size > 0 and predicted <= deadline
         self.metrics.shadow_decisions.labels(
             ps.name, "queued" if would_wait else "rejected",
@@ -398,9 +395,7 @@ class Admission:
             decision, reason = "admit", "fits"
         predicted = None
         if decision == "wait":
-            ahead = ps.queue.work_ahead(ask.priority, ask.caller)
-            predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
-            deadline = ps.spec.admission.queue_wait_max_s
+            predicted, deadline = self._outlook(ps, ask)
             ok = ps.spec.admission.queue_size > 0 and predicted <= deadline
             decision = "queue" if ok else "reject"
             if not ok:
@@ -428,11 +423,7 @@ class Admission:
 
     async def _wait(self, ps: PoolState, ask: Ask, reason: str) -> Ticket:
         spec = ps.spec.admission
-        deadline = spec.queue_wait_max_s
-        if ask.deadline_s is not None:
-            deadline = min(deadline, ask.deadline_s)
-        ahead = ps.queue.work_ahead(ask.priority, ask.caller)
-        predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
+        predicted, deadline = self._outlook(ps, ask)
         if spec.queue_size == 0 or deadline <= 0:
             self._count(ps.name, "rejected", reason)
             raise self._overloaded(ps, reason, predicted, deadline)
@@ -474,6 +465,17 @@ class Admission:
         self.metrics.queue_wait.labels(ps.name).observe(ticket.queue_s)
         self._count(ps.name, "queued", reason)
         return ticket
+
+    @staticmethod
+    def _outlook(ps: PoolState, ask: Ask) -> tuple[float, float]:
+        """(predicted wait, deadline) for `ask` joining the queue now: the work queued ahead
+        of it and its own, over the pool's measured drain rate (0 until one is measured)."""
+        ahead = ps.queue.work_ahead(ask.priority, ask.caller)
+        predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
+        deadline = ps.spec.admission.queue_wait_max_s
+        if ask.deadline_s is not None:
+            deadline = min(deadline, ask.deadline_s)
+        return predicted, deadline
 
     def _overloaded(self, ps: PoolState, cause: str, predicted: float, deadline: float,
                     outcome: str | None = None) -> Overloaded:
@@ -616,11 +618,7 @@ class Admission:
         self.metrics.admission_decisions.labels(pool, decision, reason).inc()
 
     def _publish_queue(self, ps: PoolState) -> None:
-        counts = dict.fromkeys(PRIORITIES, 0)
-        names = {v: k for k, v in PRIORITIES.items()}
-        for w in ps.queue.waiters:
-            counts[names[w.priority]] += 1
-        for name, n in counts.items():
+        for name, n in ps.queue.depth_by_priority().items():
             self.metrics.queue_depth.labels(ps.name, name).set(n)
 
 

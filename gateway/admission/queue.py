@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PRIORITIES: dict[str, int] = {"critical": 0, "standard": 1, "sheddable": 2}
+PRIORITY_NAMES: dict[int, str] = {v: k for k, v in PRIORITIES.items()}
 
 
 @dataclass(eq=False)
@@ -47,6 +48,12 @@ class FairQueue:
 
     def ordered(self) -> list[Waiter]:
         return sorted(self.waiters, key=self._key)
+
+    def depth_by_priority(self) -> dict[str, int]:
+        counts = dict.fromkeys(PRIORITIES, 0)
+        for w in self.waiters:
+            counts[PRIORITY_NAMES[w.priority]] += 1
+        return counts
 
     def work_ahead(self, priority: int, caller: str) -> int:
         """Tokens of the waiters that would be served before a newcomer like this one."""

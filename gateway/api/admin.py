@@ -85,10 +85,7 @@ async def state(request: Request) -> Response:
                     "kv_usage": sample.kv_usage, "waiting": sample.waiting,
                     "running": sample.running, "age_s": round(now - sample.at, 3)},
             }
-        depth: dict[str, int] = {}
-        for w in ps.queue.waiters:
-            depth[{0: "critical", 1: "standard", 2: "sheddable"}[w.priority]] = \
-                depth.get({0: "critical", 1: "standard", 2: "sheddable"}[w.priority], 0) + 1
+        depth = {k: n for k, n in ps.queue.depth_by_priority().items() if n}
         thresholds = ps.thresholds.as_dict()
         thresholds["latency_guard_limit_tokens"] = {
             "value": ps.guard.limit, "source": "latency_guard", "state": ps.guard.state}
