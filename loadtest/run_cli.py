@@ -54,8 +54,9 @@ class UsageError(ValueError):
 def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool = True) -> None:
     """Options of the load itself, shared by run, sweep and calibrate."""
     if url:
-        p.add_argument("--url", default=DEFAULT_URL,
-                       help=f"target base URL, an engine or the gateway (default {DEFAULT_URL})")
+        p.add_argument("--url", action="append", dest="urls", metavar="URL",
+                       help=f"target base URL, an engine or the gateway (default {DEFAULT_URL});"
+                            " repeat it to spread the load round robin over several engines")
     p.add_argument("--model", help="model name to send (default: the first the target lists)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace: lengths (and arrivals)")
@@ -218,6 +219,15 @@ def note(message: str) -> None:
     print(f"loadtest: {message}", file=sys.stderr)
 
 
+def check_urls(given: list[str] | None) -> list[str]:
+    """The targets, checked; one `--url` given many times spreads the load over them all."""
+    urls = [check_url(u) for u in (given or [DEFAULT_URL])]
+    for url in urls:
+        if not is_loopback(url):
+            note(f"target {url} is not on loopback: sending load there because you named it")
+    return urls
+
+
 def fail(message: str, status: int = 2) -> int:
     print(f"loadtest: error: {message}", file=sys.stderr)
     return status
@@ -225,12 +235,10 @@ def fail(message: str, status: int = 2) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     prep = prepare(args, args.rate, args.concurrency)
-    url = check_url(args.url)
-    if not is_loopback(url):
-        note(f"target {url} is not on loopback: sending load there because you named it")
-    model = await resolve_model([url], args.model, prep.headers)
+    urls = check_urls(args.urls)
+    model = await resolve_model(urls, args.model, prep.headers)
     builder = make_builder(args, model)
-    report, outcome = await run_once([url], model, builder, prep, args)
+    report, outcome = await run_once(urls, model, builder, prep, args)
     print(render_text(report))
     for warning in warnings_for(report):
         note(f"warning: {warning}")

@@ -26,6 +26,7 @@ from loadtest.run_cli import (
     Prepared,
     UsageError,
     add_load_options,
+    check_urls,
     make_builder,
     note,
     prepare,
@@ -33,7 +34,7 @@ from loadtest.run_cli import (
     run_once,
     write_json,
 )
-from loadtest.runner import Runner, check_url, is_loopback, resolve_model
+from loadtest.runner import Runner, resolve_model
 from loadtest.workload import PromptBuilder
 
 DEFAULT_TARGET = 99.0
@@ -216,12 +217,10 @@ async def _run(args: argparse.Namespace) -> int:
     if not prep.slo:
         raise UsageError("a sweep needs --slo (e.g. ttft=2s,tpot=60ms): the knee is where "
                          "SLO attainment drops")
-    url = check_url(args.url)
-    if not is_loopback(url):
-        note(f"target {url} is not on loopback: sending load there because you named it")
-    model = await resolve_model([url], args.model, prep.headers)
+    urls = check_urls(args.urls)
+    model = await resolve_model(urls, args.model, prep.headers)
     builder = make_builder(args, model)
-    sweep = await run_sweep([url], model, builder, prep, args, rates)
+    sweep = await run_sweep(urls, model, builder, prep, args, rates)
     knee = sweep.knee
     if knee is None:
         print(f"knee: none: even the lowest rate kept SLO attainment under "

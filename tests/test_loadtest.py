@@ -51,6 +51,26 @@ def test_run_reports_vllm_figures_with_sane_values(start_sim: StartSim, tmp_path
     assert r["load"]["shape"] == "6 req/s poisson"
 
 
+def test_repeated_url_spreads_the_load_over_every_engine(start_sim: StartSim,
+                                                          tmp_path: Path) -> None:
+    # A benchmark "direct to two engines" must reach both, not only the last one named.
+    out = tmp_path / "two.json"
+    with start_sim() as a, start_sim() as b:
+        done = loadtest("run", "--url", a.url, "--url", b.url, *LOAD, "--concurrency", "2",
+                        "--max-requests", "8", "--out", str(out))
+        served = [_requests_served(sim.url) for sim in (a, b)]
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["completed"] == 8
+    assert sum(served) == 8 and min(served) >= 2, served
+
+
+def _requests_served(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total")))
+
+
 def test_plot_of_a_run(start_sim: StartSim, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
