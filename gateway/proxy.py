@@ -188,7 +188,6 @@ class Forwarder:
         content = resp.content
         loop_time = self.loop.time
         usage_frame = b""
-        events = 0
         try:
             while True:
                 chunk = await content.readany()
@@ -196,7 +195,8 @@ class Forwarder:
                     break
                 if ex.first_byte is None:
                     ex.first_byte = loop_time()
-                events += chunk.count(b"data:")
+                # Kept on the exchange as it goes: the latency guard reads streams in flight.
+                ex.sse_events += chunk.count(b"data:")
                 if b'"usage":{' in chunk:
                     usage_frame = chunk
                     if ex.strip_usage:
@@ -218,7 +218,6 @@ class Forwarder:
             self.backends.record_success(backend)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            ex.sse_events = events
             ex.finished = loop_time()
             if usage_frame:
                 _parse_usage(ex, usage_frame)

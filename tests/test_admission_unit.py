@@ -177,17 +177,41 @@ def test_fair_queue_orders_by_priority_then_served_tokens() -> None:
 
 def test_latency_guard_cuts_and_recovers() -> None:
     g = LatencyGuard(ceiling=10_000, floor=500)
-    g.update(0.0, ttft_p99=3.0, tpot_p99=0.02, ttft_max=2.0, tpot_max=0.06, samples=100)
+    assert g.update(0.0, ttft_p99=3.0, tpot_p99=0.02, ttft_max=2.0, tpot_max=0.06, samples=100)
     assert g.limit == pytest.approx(7000) and g.state == "red"
-    g.update(1.0, 3.0, 0.02, 2.0, 0.06, 100)  # held: one slow window is punished once
+    assert not g.update(1.0, 3.0, 0.02, 2.0, 0.06, 100)  # held: one slow window, one cut
     assert g.limit == pytest.approx(7000)
-    g.update(6.0, 1.0, 0.08, 2.0, 0.06, 100)  # TPOT now over
+    assert g.update(6.0, 1.0, 0.08, 2.0, 0.06, 100)  # TPOT now over
     assert g.limit == pytest.approx(4900)
     for i in range(100):
         g.update(7.0 + i, 1.0, 0.02, 2.0, 0.06, 100)
     assert g.limit == 10_000 and g.state == "green"
     g.update(200.0, 9.0, 9.0, 2.0, 0.06, 5)  # too few samples to judge
     assert g.limit == 10_000
+
+
+def test_latency_guard_cuts_the_load_in_flight_and_grows_only_while_it_binds() -> None:
+    g = LatencyGuard(ceiling=1_000_000, floor=500)
+    # 40,000 tokens in flight against a ceiling of a million: cutting the ceiling by 30% would
+    # hold nothing back; the cut takes 30% off what is in flight.
+    assert g.update(0.0, 3.0, 0.02, 2.0, 0.06, 100, inflight=40_000)
+    assert g.limit == pytest.approx(28_000)
+    # Green, but the load is far under the limit (a lull): the limit does not creep up.
+    g.update(10.0, 1.0, 0.02, 2.0, 0.06, 100, inflight=5_000)
+    assert g.limit == pytest.approx(28_000)
+    # Green and binding: it grows by 5% of itself a tick.
+    g.update(11.0, 1.0, 0.02, 2.0, 0.06, 100, inflight=27_000)
+    assert g.limit == pytest.approx(29_400)
+
+
+def test_guard_judges_a_cut_only_by_requests_admitted_after_it() -> None:
+    adm, clock, _ = make()
+    ps = adm.pools["default"]
+    ps.guard.last_cut = clock.now - 10  # a cut 10 s ago; the windows were cleared then
+    adm.observe_latency("default", 5.0, 0.5, admitted_s_ago=30)  # admitted before it
+    assert ps.ttft.count() == 0 and ps.tpot.count() == 0
+    adm.observe_latency("default", 0.2, 0.02, admitted_s_ago=4)  # admitted under the new limit
+    assert ps.ttft.count() == 1 and ps.tpot.count() == 1
 
 
 def test_windowed_quantiles_follow_the_window() -> None:
@@ -200,6 +224,9 @@ def test_windowed_quantiles_follow_the_window() -> None:
     assert q.quantile(0.999) == pytest.approx(2.0, rel=0.05)
     clock.now += 11  # the window moved past every sample
     assert q.quantile(0.99) is None
+    q.observe(1.0)
+    q.clear()
+    assert q.count() == 0 and q.quantile(0.5) is None
 
 
 def test_router_long_prompts_and_overflow() -> None:

@@ -37,6 +37,7 @@ from gateway.profiles import get_gpu, ledger
 from gateway.protocol import GatewayError
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
+from gateway.signals.streams import LiveStreams, StreamProgress, Watched, p99
 from gateway.state import Lease, Limits, MemoryState, StateBackend, StateError
 
 log = logging.getLogger("gateway.admission")
@@ -65,6 +66,7 @@ class Ticket:
     reason: str
     queue_s: float = 0.0
     overflow: bool = False
+    watched: Watched | None = None  # followed by the latency guard while it streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class PoolState:
     guard: LatencyGuard
     ttft: WindowedQuantiles
     tpot: WindowedQuantiles
+    live: LiveStreams
     capacity: dict[str, int] = field(default_factory=dict)  # backend -> KV blocks
     reserved: dict[str, int] = field(default_factory=dict)  # last known, backend -> blocks
     reserved_tokens: int = 0
@@ -125,7 +128,8 @@ class Admission:
                 name=name, spec=spec, thresholds=th, queue=FairQueue(spec.admission.queue_size),
                 guard=LatencyGuard(ceiling=1.0, floor=1.0),
                 ttft=WindowedQuantiles(spec.admission.latency_window_s, clock=clock),
-                tpot=WindowedQuantiles(spec.admission.latency_window_s, clock=clock))
+                tpot=WindowedQuantiles(spec.admission.latency_window_s, clock=clock),
+                live=LiveStreams())
             for b in spec.backends:
                 ps.capacity[b.name] = self._planned_blocks(spec)
                 ps.reserved[b.name] = 0
@@ -532,8 +536,18 @@ class Admission:
                 head.ticket = ticket
                 head.future.set_result(reason)
 
+    def watch(self, ticket: Ticket, progress: StreamProgress, started: float) -> None:
+        """Follow a stream the guard should see before it ends (`started`: loop time)."""
+        ps = self.pools[ticket.pool]
+        if ps.spec.admission.mode == "static" or ticket.lease is None:
+            return
+        ticket.watched = ps.live.add(progress, started, self.clock())
+
     async def release(self, ticket: Ticket, *, completed: bool = True) -> None:
         ps = self.pools[ticket.pool]
+        if ticket.watched is not None:
+            ps.live.discard(ticket.watched)
+            ticket.watched = None
         if ticket.overflow:
             ps.overflow_inflight -= 1
         if ticket.lease is None or ticket.store is None:
@@ -558,8 +572,13 @@ class Admission:
             ps.drained_tokens += ticket.lease.tokens
         await self.drain(ps)
 
-    def observe_latency(self, pool: str, ttft: float | None, tpot: float | None) -> None:
+    def observe_latency(self, pool: str, ttft: float | None, tpot: float | None,
+                        admitted_s_ago: float = 0.0) -> None:
         ps = self.pools[pool]
+        # The guard judges a limit by the requests it admitted: one admitted before the last
+        # cut carries the load that caused the cut, and would cut again for it.
+        if self.clock() - admitted_s_ago < ps.guard.last_cut:
+            return
         if ttft is not None:
             ps.ttft.observe(ttft)
         if tpot is not None:
@@ -587,9 +606,19 @@ class Admission:
             ps.drained_tokens = 0.0
             ps.drain_rate = rate if ps.drain_rate == 0 else 0.7 * ps.drain_rate + 0.3 * rate
             th = ps.thresholds
-            ps.guard.update(now, ps.ttft.quantile(0.99), ps.tpot.quantile(0.99),
-                            th.ttft_p99_max_s.value, th.tpot_p99_max_s.value,
-                            min(ps.ttft.count(), ps.tpot.count() or ps.ttft.count()))
+            # Completed requests in the window, and those still in flight as they stand now:
+            # an engine in collapse completes nothing, and its streams say so at once.
+            live_ttft, live_tpot = ps.live.latencies(asyncio.get_running_loop().time(),
+                                                     since=ps.guard.last_cut)
+            ttft = _worst(ps.ttft.quantile(0.99), p99(live_ttft))
+            tpot = _worst(ps.tpot.quantile(0.99), p99(live_tpot))
+            samples = ps.ttft.count() + len(live_ttft)
+            cut = ps.guard.update(now, ttft, tpot, th.ttft_p99_max_s.value,
+                                  th.tpot_p99_max_s.value, samples,
+                                  inflight=ps.reserved_tokens)
+            if cut:  # judge the new limit by what it admits, not by the window before it
+                ps.ttft.clear()
+                ps.tpot.clear()
             self.metrics.latency_guard_limit.labels(ps.name).set(ps.guard.limit)
             try:
                 usage = await self.state.usage(ps.name)
@@ -627,3 +656,7 @@ def _no_backend(pool: str) -> GatewayError:
 
     return NoBackendAvailable(f"No healthy backend in pool `{pool}`.",
                               headers={"retry-after": "1"})
+
+
+def _worst(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -154,6 +154,8 @@ class CompletionsEndpoint:
             inflight = rt.metrics.pool_children(route.pool)[3]
             inflight.inc()
             forward_start = loop.time()
+            if ex.stream:
+                rt.admission.watch(ticket, ex, forward_start)
             try:
                 await rt.forwarder.forward(ex, send, ticket.backend)
             finally:
@@ -293,7 +295,8 @@ def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float, forward_start: f
             tpot.observe(tpot_s)
         # The guard watches the engines' latency, without our own queueing in it: otherwise
         # queueing would read as slowness and shrink the limit that causes the queueing.
-        rt.admission.observe_latency(ex.pool, ex.first_byte - forward_start, tpot_s)
+        rt.admission.observe_latency(ex.pool, ex.first_byte - forward_start, tpot_s,
+                                     admitted_s_ago=now - forward_start)
     log_exchange(ex, gone)
 
 

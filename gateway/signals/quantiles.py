@@ -38,6 +38,13 @@ class WindowedQuantiles:
             self._epoch[i] = n
         return i
 
+    def clear(self) -> None:
+        """Forget every sample: the window starts again from now."""
+        for i in range(self.slices):
+            if self._totals[i]:
+                self._counts[i] = [0] * (len(_EDGES) + 1)
+                self._totals[i] = 0
+
     def observe(self, value: float) -> None:
         i = self._slot(self.clock())
         self._counts[i][bisect.bisect_left(_EDGES, value)] += 1

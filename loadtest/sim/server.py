@@ -103,6 +103,9 @@ class SimApp:
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._salts = itertools.count(1)
+        # Wall seconds the steps ran past their scaled simulated length: a simulation starved
+        # of CPU runs slow and would pass its own limits off as the engine's.
+        self.late_s = 0.0
         self._created = int(time.time())
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self._health,
@@ -181,6 +184,8 @@ class SimApp:
             # The deadline counts from the step's start, so the CPU time spent handing out
             # the previous step's tokens is part of this step, not added to it.
             delay = now + step.duration_s * scale - loop.time()
+            if delay < 0:
+                self.late_s -= delay
             await asyncio.sleep(delay if delay > 0 else 0)
             events = core.finish_step(step, loop.time())
             self.metrics.observe_step(core, events)
@@ -387,7 +392,7 @@ class SimApp:
             "running": core.num_running, "waiting": core.num_waiting,
             "kv_cache_usage": core.kv_usage, "num_gpu_blocks": self.spec.num_gpu_blocks,
             "free_blocks": core.kv.pool.num_free, "preemptions": core.scheduler.num_preemptions,
-            "steps": core.steps, "simulated_busy_s": core.busy_s,
+            "steps": core.steps, "simulated_busy_s": core.busy_s, "late_s": self.late_s,
             "prefix_cache_queried_tokens": core.kv.queried_tokens,
             "prefix_cache_hit_tokens": core.kv.hit_tokens,
             "max_model_len": self.spec.max_model_len, "max_num_seqs": self.spec.max_num_seqs,
