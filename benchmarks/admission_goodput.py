@@ -1,10 +1,14 @@
 """Admission proof: goodput under overload, and a long-context pool against one mixed pool.
 
-Part A (Azure 2023 conversation trace lengths, Poisson arrivals): two simulated engines are
-swept directly to find the knee (the rate of peak goodput); then, at twice the saturation rate,
-all in one run:
+Part A (Azure 2023 conversation trace lengths, Poisson arrivals), on two simulated engines of
+one profile (`--engine`: `8b`, a small engine whose KV cache binds first, or `70b`, the
+reference 70B model on 8 x H100 as two TP=4 replicas, where prefill compute binds first):
+`loadtest calibrate` sweeps the engines directly, as an SRE would, to find the knee (the
+highest rate keeping 95% SLO attainment) and write the pool's learned thresholds; then, at
+twice the knee's rate, on fresh engines each:
   (a) direct to the engines (round robin, no protection),
-  (b) through the gateway (KV reservations, fair queue, early rejection, latency guard),
+  (b) through the gateway (KV reservations, the calibrated thresholds, fair queue, early
+      rejection, latency guard),
   (c) through the gateway with only the static rule most inference gateways ship
       (shed when the engine reports waiting > 5 or KV usage > 0.8).
 Goal: (b)'s goodput >= 90% of the knee's peak and >= 1.3 x (c)'s; admitted P99 TTFT in SLO.
@@ -17,7 +21,8 @@ Everything runs on loopback, bounded in time; the engines run slower than real (
 so that a 2-core machine can drive them past saturation. Traces: ../shared/traces (Azure
 LLM inference trace 2023, CC-BY-4.0, Microsoft Azure; Mooncake, Apache-2.0, kvcache-ai).
 
-    .venv/bin/python benchmarks/admission_goodput.py [--quick] [--out results.json]
+    .venv/bin/python benchmarks/admission_goodput.py [--part a|b] [--engine 8b|70b] [--quick]
+        [--out results.json] [--reuse earlier-results.json]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRACES = ROOT.parent / "shared" / "traces"
@@ -44,6 +51,7 @@ AZURE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation.jsonl"
 
 TIME_SCALE = 4.0
+KNEE_ATTAINMENT = 95.0  # the knee: the highest rate whose SLO attainment holds this
 
 
 @dataclass(frozen=True)
@@ -191,40 +199,58 @@ HEADER = (f"{'configuration':<34} {'goodput':>8} {'thruput':>8} {'SLO met':>8} {
           f" {'s':>8} {'ms':>8}")
 
 
-def part_a(tmp: Path, quick: bool, setup: Setup,
-           knee: tuple[float, float] | None = None) -> dict[str, Any]:
-    duration = 30.0 if quick else 60.0
+def calibrate(setup: Setup, rates: tuple[float, ...], duration: float, admission: str,
+              tmp: Path) -> dict[str, Any]:
+    """`loadtest calibrate` on two fresh engines, as an SRE would run it: the sweep (knee,
+    peak goodput) and the `learned` block it wrote into the pool's policy."""
     urls, specs = engines(2, setup)
-    wall_slo = slo(setup)
-    results: dict[str, Any] = {"engine": setup.note, "slo": wall_slo, "slo_real": setup.slo_real,
-                               "sweep": []}
-    rates = setup.quick_rates if quick else setup.rates
+    policy = tmp / "calibrate.yaml"
+    policy.write_text(policy_yaml(pool_yaml("default", urls, setup, admission), setup))
+    out = tmp / "calibrate.json"
     with processes(specs, tmp):
-        print(f"Part A ({setup.note}; SLO {slo_arg(setup)} wall-clock): sweep direct to the "
-              "engines to find the knee", flush=True)
-        for rate in rates if knee is None else []:
-            r = run_load(urls, AZURE, rate, duration, tmp / f"direct-{rate}.json", setup)
-            results["sweep"].append({"rate": rate, **{k: r.get(k) for k in (
-                "request_goodput", "request_throughput", "slo_attainment_pct",
-                "p99_ttft_ms", "p99_tpot_ms")}})
-            print(f"  rate {rate:4.1f}/s: goodput {r.get('request_goodput', 0):.2f}/s, "
-                  f"SLO met {r.get('slo_attainment_pct', 0):.1f}%", flush=True)
-    if knee is not None:  # a knee measured by an earlier sweep of the same engines
-        results["sweep"].append({"rate": knee[0], "request_goodput": knee[1],
-                                 "slo_attainment_pct": 100.0, "given": True})
-    best = max(results["sweep"], key=lambda s: s["request_goodput"] or 0)
-    knee_step = max((s for s in results["sweep"] if (s["slo_attainment_pct"] or 0) >= 95),
-                    key=lambda s: s["rate"], default=best)
-    overload = 2 * knee_step["rate"]
-    results.update(peak_goodput=best["request_goodput"], knee_rate=knee_step["rate"],
-                   overload_rate=overload)
-    print(f"  knee at {knee_step['rate']}/s, peak goodput {best['request_goodput']:.2f}/s; "
-          f"overload = {overload}/s", flush=True)
+        subprocess.run([str(BIN / "loadtest"), "calibrate", "--policy", str(policy),
+                        "--pool", "default", "--model", "bench", "--trace", str(AZURE),
+                        "--arrival", "poisson", "--rates", ",".join(f"{r:g}" for r in rates),
+                        "--duration", str(duration), "--slo", slo_arg(setup), "--seed", "1",
+                        "--target-attainment", str(KNEE_ATTAINMENT), "--write",
+                        "--out", str(out), "--no-progress"], check=True, cwd=ROOT)
+    sweep = json.loads(out.read_text())
+    learned = yaml.safe_load(policy.read_text())["pools"]["default"]["admission"]["learned"]
+    return {"steps": [{"rate": st["offered"], **{k: st["report"].get(k) for k in (
+                "request_goodput", "request_throughput", "slo_attainment_pct", "p99_ttft_ms",
+                "p99_tpot_ms")}} for st in sweep["steps"]],
+            "knee_rate": sweep["sweep"]["knee_rate"], "learned": learned}
 
-    # Queue up to 3/4 of the TTFT SLO: the rest is left for prefill and the first token.
-    reserve = ("    admission: {kv_usage_max: 0.9, queue_size: 64, queue_wait_max_s: "
-               f"{wall_slo['ttft'] * 0.75:g}, ttft_p99_max_s: {wall_slo['ttft'] * 0.75:g}, "
-               f"tpot_p99_max_s: {wall_slo['tpot'] * 0.9:g}}}\n")
+
+def part_a(tmp: Path, quick: bool, setup: Setup,
+           reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+    duration = 30.0 if quick else 60.0
+    wall_slo = slo(setup)
+    results: dict[str, Any] = {"engine": setup.note, "slo": wall_slo, "slo_real": setup.slo_real}
+    # The gateway's own settings; the rest (in-flight tokens, engine queue, latency lines) is
+    # learned by calibration. Queue up to 3/4 of the TTFT SLO: the rest is left for prefill.
+    admission = ("    admission:\n      kv_usage_max: 0.9\n      queue_size: 64\n"
+                 f"      queue_wait_max_s: {wall_slo['ttft'] * 0.75:g}\n")
+    print(f"Part A ({setup.note}; SLO {slo_arg(setup)} wall-clock)", flush=True)
+    if reuse is None:
+        print("  loadtest calibrate: sweep the engines directly, find the knee, learn the "
+              "pool's thresholds", flush=True)
+        cal = calibrate(setup, setup.quick_rates if quick else setup.rates, duration,
+                        admission, tmp)
+    else:  # an earlier run's calibration of the same engines
+        cal = reuse
+    results["calibration"] = cal
+    if cal["knee_rate"] is None:
+        raise SystemExit("calibration found no knee: lower the setup's rates")
+    best = max(cal["steps"], key=lambda s: s["request_goodput"] or 0)
+    overload = 2 * cal["knee_rate"]
+    results.update(peak_goodput=best["request_goodput"], knee_rate=cal["knee_rate"],
+                   overload_rate=overload)
+    print(f"  knee at {cal['knee_rate']:g}/s, peak goodput {best['request_goodput']:.2f}/s; "
+          f"overload = {overload:g}/s; learned: "
+          + ", ".join(f"{k} {v}" for k, v in cal["learned"].items() if k != "provenance"),
+          flush=True)
+    reserve = admission + f"      learned: {json.dumps(cal['learned'])}\n"
     static = "    admission: {mode: static}\n"
     runs: dict[str, dict[str, Any]] = {}
     # Each configuration gets fresh engines: no state carried between them.
@@ -247,11 +273,18 @@ def part_a(tmp: Path, quick: bool, setup: Setup,
     results["runs"] = runs
     b, c = runs["(b) gateway"], runs["(c) gateway, static rule"]
     results["ratios"] = {
-        "b_vs_peak": (b["request_goodput"] or 0) / (best["request_goodput"] or 1),
-        "b_vs_c": (b["request_goodput"] or 0) / max(1e-9, c["request_goodput"] or 0),
-        "b_vs_a": (b["request_goodput"] or 0) / max(1e-9, runs["(a) direct"]["request_goodput"]
-                                                   or 0)}
+        "b_vs_peak": _ratio(b["request_goodput"], best["request_goodput"]),
+        "b_vs_c": _ratio(b["request_goodput"], c["request_goodput"]),
+        "b_vs_a": _ratio(b["request_goodput"], runs["(a) direct"]["request_goodput"])}
     return results
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return (x or 0) / y if y else None  # None: the denominator served nothing within the SLO
+
+
+def _fmt(r: float | None) -> str:
+    return "n/a (nothing good to divide by)" if r is None else f"{r:.2f}"
 
 
 def engines_late(urls: list[str]) -> float:
@@ -325,8 +358,8 @@ def main() -> int:
     ap.add_argument("--out", help="write all figures as JSON here")
     ap.add_argument("--engine", choices=tuple(SETUPS), default="8b",
                     help="part A's engine profile (default 8b)")
-    ap.add_argument("--knee", type=float, nargs=2, metavar=("RATE", "GOODPUT"),
-                    help="skip part A's sweep: the knee rate and peak goodput of an earlier one")
+    ap.add_argument("--reuse", metavar="RESULTS.json",
+                    help="skip part A's calibration: take it from an earlier run's --out")
     args = ap.parse_args()
     for trace in (AZURE, MOONCAKE):
         if not trace.exists():
@@ -336,15 +369,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.part in ("a", "both"):
-            out["a"] = part_a(tmp, args.quick, SETUPS[args.engine],
-                              tuple(args.knee) if args.knee else None)
+            reuse = json.loads(Path(args.reuse).read_text())["a"]["calibration"] \
+                if args.reuse else None
+            out["a"] = part_a(tmp, args.quick, SETUPS[args.engine], reuse)
             print("\n" + HEADER)
             for name, r in out["a"]["runs"].items():
                 print(row(name, r))
             ra = out["a"]["ratios"]
-            print(f"\n(b) goodput / knee peak = {ra['b_vs_peak']:.2f} (goal >= 0.90); "
-                  f"(b) / (c) = {ra['b_vs_c']:.2f} (goal >= 1.3); (b) / (a) = "
-                  f"{ra['b_vs_a']:.2f}")
+            print(f"\n(b) goodput / knee peak = {_fmt(ra['b_vs_peak'])} (goal >= 0.90); "
+                  f"(b) / (c) = {_fmt(ra['b_vs_c'])} (goal >= 1.3); (b) / (a) = "
+                  f"{_fmt(ra['b_vs_a'])}")
         if args.part in ("b", "both"):
             out["b"] = part_b(tmp, args.quick)
             ratio = out["b"]["ratio_dedicated_vs_mixed"]

@@ -125,11 +125,22 @@ def state_summary(samples: list[StateSample]) -> dict[str, Any]:
 # --- the learned block --------------------------------------------------------------------------
 
 
-def learned_values(state: dict[str, Any], statistic: str, margin: float
-                   ) -> dict[str, float | int]:
-    """The thresholds: the knee's state, less the margin, in the policy's types and ranges."""
+def learned_values(state: dict[str, Any], statistic: str, margin: float,
+                   report: dict[str, Any] | None = None) -> dict[str, float | int]:
+    """The thresholds: the knee's state, less the margin, in the policy's types and ranges;
+    and the P99 TTFT and TPOT the knee step measured (`report`), as the latency guard's lines.
+
+    The latency lines take no margin: they are what this pool shows at the highest load its
+    SLOs held, so P99 above them says the pool is past its knee. The SLO itself can be the
+    wrong line for a P99: on engines whose prefill chunks stall decodes, a few short requests
+    miss the TPOT target at any load, and a guard held to it would never be green.
+    """
     keep = 1.0 - margin
     out: dict[str, float | int] = {}
+    for key, name in (("ttft_p99_max_s", "p99_ttft_ms"), ("tpot_p99_max_s", "p99_tpot_ms")):
+        value = (report or {}).get(name)
+        if value:
+            out[key] = round(float(value) / 1000, 4)
     kv = state.get(f"kv_usage_{statistic}")
     if kv is not None and kv > 0:
         out["kv_usage_max"] = round(min(1.0, max(0.01, kv * keep)), 3)
@@ -183,7 +194,8 @@ def rewrite_policy(text: str, pool: str, learned: dict[str, Any]) -> str:
         admission = CommentedMap()
         pool_map["admission"] = admission
     block = CommentedMap()
-    for key in ("kv_usage_max", "inflight_tokens_max", "waiting_max"):
+    for key in ("kv_usage_max", "inflight_tokens_max", "waiting_max", "ttft_p99_max_s",
+                "tpot_p99_max_s"):
         if key in learned:
             block[key] = learned[key]
     prov = CommentedMap()
@@ -314,7 +326,7 @@ async def _run(args: argparse.Namespace) -> int:
         note(f"every rate kept the SLOs, so {sweep.knee:g} req/s is not a knee but a lower "
              "bound: the learned thresholds are conservative; add higher rates to find it")
     state = knee["engine_state"]
-    values = learned_values(state, args.statistic, args.margin)
+    values = learned_values(state, args.statistic, args.margin, knee["report"])
     if not values:
         note(f"the engines' /metrics gave no KV usage or queue at the knee "
              f"({knee['offered']:g} req/s); nothing learned")

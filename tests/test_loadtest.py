@@ -221,6 +221,8 @@ def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
             thresholds = state["pools"]["default"]["thresholds"]
             assert thresholds["kv_usage_max"]["source"] == "learned"
             assert thresholds["inflight_tokens_max"]["source"] == "learned"
+            assert thresholds["ttft_p99_max_s"]["source"] == "learned"
+            assert thresholds["tpot_p99_max_s"]["source"] == "learned"
             learned_tokens = thresholds["inflight_tokens_max"]["value"]
             # The knee held a handful of 576-token requests; less the margin, it is fewer.
             assert 576 <= learned_tokens < 180 * 16

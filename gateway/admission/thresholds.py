@@ -57,6 +57,8 @@ def thresholds_for(pool: PoolSpec) -> Thresholds:
         inflight_tokens_max=_pick(a.inflight_tokens_max,
                                   learned.inflight_tokens_max if learned else None, None),
         waiting_max=_pick(a.waiting_max, learned.waiting_max if learned else None, None),
-        ttft_p99_max_s=_pick(a.ttft_p99_max_s, None, None),
-        tpot_p99_max_s=_pick(a.tpot_p99_max_s, None, None),
+        ttft_p99_max_s=_pick(a.ttft_p99_max_s, learned.ttft_p99_max_s if learned else None,
+                             None),
+        tpot_p99_max_s=_pick(a.tpot_p99_max_s, learned.tpot_p99_max_s if learned else None,
+                             None),
     )

@@ -115,6 +115,8 @@ class Learned(Strict):
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None
     inflight_tokens_max: PositiveInt | None = None
     waiting_max: Annotated[int, Field(ge=0)] | None = None
+    ttft_p99_max_s: PositiveFloat | None = None
+    tpot_p99_max_s: PositiveFloat | None = None
     provenance: dict[str, str | int | float | None] | None = None
 
 

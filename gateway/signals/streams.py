@@ -4,8 +4,8 @@ Completed requests report their TTFT and TPOT only when they end, which on an en
 collapse is never (or a minute late): the guard would be blind exactly when it is needed. So
 the guard also reads every stream the pool is serving now, as what its latency would be if it
 ended at this instant: a stream without its first token has waited at least `now - started`
-for it; a stream that has one has a TPOT so far of `(now - first_byte) / (tokens - 1)`, which
-keeps growing while the stream stalls. The proxy keeps `first_byte` and `sse_events` up to
+for it; a stream with a few tokens has a TPOT so far of `(now - first_byte) / (tokens - 1)`,
+which keeps growing while the stream stalls. The proxy keeps `first_byte` and `sse_events` up to
 date on its `Exchange`; reading them costs nothing on the per-chunk path.
 """
 
@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Protocol
+
+# A TPOT so far over fewer tokens is one inter-token gap, not a rate: a stream that got its
+# first token just before an 8K-token prefill chunk would read as a stall of the whole pool.
+MIN_TOKENS = 8
 
 
 class StreamProgress(Protocol):
@@ -59,8 +63,8 @@ class LiveStreams:
             ttfts.append(p.first_byte - w.started)
             # sse_events counts the role frame, which arrives with the first token.
             tokens = p.sse_events - 1
-            if tokens >= 1:
-                tpots.append((now - p.first_byte) / max(1, tokens - 1))
+            if tokens >= MIN_TOKENS:
+                tpots.append((now - p.first_byte) / (tokens - 1))
         return ttfts, tpots
 
 
