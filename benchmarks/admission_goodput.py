@@ -73,7 +73,7 @@ SETUPS = {
     # A small engine made slow: 8B on one H100 with KV for ~24K tokens. The KV cache binds
     # first; decode barely slows with the batch (it reads 16 GB of weights per step anyway).
     "8b": Setup("8b", "llama-3-8b", 1, ("--num-gpu-blocks", "1536"), (2.0, 0.025),
-                (2.0, 3.0, 4.0, 5.0, 6.0), (2.0, 4.0, 6.0),
+                (2.0, 2.5, 3.0, 3.5), (2.0, 3.0),
                 "Llama-3-8B, 1 x H100 each, KV cut to 1,536 blocks"),
     # The reference deployment: a 70B GQA model on 8 x H100, as two TP=4 replicas (the
     # layout `gateway plan` lists for it), KV from the memory ledger (470K tokens each).

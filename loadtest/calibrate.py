@@ -126,21 +126,26 @@ def state_summary(samples: list[StateSample]) -> dict[str, Any]:
 
 
 def learned_values(state: dict[str, Any], statistic: str, margin: float,
-                   report: dict[str, Any] | None = None) -> dict[str, float | int]:
+                   report: dict[str, Any] | None = None, slo: dict[str, float] | None = None,
+                   ) -> dict[str, float | int]:
     """The thresholds: the knee's state, less the margin, in the policy's types and ranges;
-    and the P99 TTFT and TPOT the knee step measured (`report`), as the latency guard's lines.
+    and the latency guard's lines: each SLO target (`slo`, seconds), or the P99 the knee step
+    measured (`report`) where that is higher.
 
-    The latency lines take no margin: they are what this pool shows at the highest load its
-    SLOs held, so P99 above them says the pool is past its knee. The SLO itself can be the
-    wrong line for a P99: on engines whose prefill chunks stall decodes, a few short requests
-    miss the TPOT target at any load, and a guard held to it would never be green.
+    The SLO alone can be the wrong line for a P99: on engines whose prefill chunks stall
+    decodes, a few short requests miss the TPOT target at any load, the knee's P99 sits above
+    it while attainment holds, and a guard held to it would never be green. The knee's P99
+    alone is too tight where the sweep's steps are coarse: the knee step may be well under
+    capacity, its P99 far under the SLO.
     """
     keep = 1.0 - margin
     out: dict[str, float | int] = {}
-    for key, name in (("ttft_p99_max_s", "p99_ttft_ms"), ("tpot_p99_max_s", "p99_tpot_ms")):
-        value = (report or {}).get(name)
-        if value:
-            out[key] = round(float(value) / 1000, 4)
+    for key, name, target in (("ttft_p99_max_s", "p99_ttft_ms", "ttft"),
+                              ("tpot_p99_max_s", "p99_tpot_ms", "tpot")):
+        measured = float((report or {}).get(name) or 0.0) / 1000
+        line = max(measured, (slo or {}).get(target, 0.0))
+        if line > 0:
+            out[key] = round(line, 4)
     kv = state.get(f"kv_usage_{statistic}")
     if kv is not None and kv > 0:
         out["kv_usage_max"] = round(min(1.0, max(0.01, kv * keep)), 3)
@@ -326,7 +331,7 @@ async def _run(args: argparse.Namespace) -> int:
         note(f"every rate kept the SLOs, so {sweep.knee:g} req/s is not a knee but a lower "
              "bound: the learned thresholds are conservative; add higher rates to find it")
     state = knee["engine_state"]
-    values = learned_values(state, args.statistic, args.margin, knee["report"])
+    values = learned_values(state, args.statistic, args.margin, knee["report"], prep.slo)
     if not values:
         note(f"the engines' /metrics gave no KV usage or queue at the knee "
              f"({knee['offered']:g} req/s); nothing learned")

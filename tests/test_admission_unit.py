@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
-from gateway.admission.guard import LatencyGuard
+from gateway.admission.guard import LatencyGuard, combine, verdict
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.backends import Backends
 from gateway.metrics import GatewayMetrics
@@ -177,31 +177,42 @@ def test_fair_queue_orders_by_priority_then_served_tokens() -> None:
 
 def test_latency_guard_cuts_and_recovers() -> None:
     g = LatencyGuard(ceiling=10_000, floor=500)
-    assert g.update(0.0, ttft_p99=3.0, tpot_p99=0.02, ttft_max=2.0, tpot_max=0.06, samples=100)
+    assert g.update(0.0, "red")
     assert g.limit == pytest.approx(7000) and g.state == "red"
-    assert not g.update(1.0, 3.0, 0.02, 2.0, 0.06, 100)  # held: one slow window, one cut
+    assert not g.update(1.0, "red")  # held: one slow window, one cut
     assert g.limit == pytest.approx(7000)
-    assert g.update(6.0, 1.0, 0.08, 2.0, 0.06, 100)  # TPOT now over
+    assert g.update(6.0, "red")
     assert g.limit == pytest.approx(4900)
     for i in range(100):
-        g.update(7.0 + i, 1.0, 0.02, 2.0, 0.06, 100)
+        g.update(7.0 + i, "green")
     assert g.limit == 10_000 and g.state == "green"
-    g.update(200.0, 9.0, 9.0, 2.0, 0.06, 5)  # too few samples to judge
-    assert g.limit == 10_000
+    g.update(200.0, "unsure")  # no verdict: nothing moves
+    assert g.limit == 10_000 and g.state == "green"
 
 
 def test_latency_guard_cuts_the_load_in_flight_and_grows_only_while_it_binds() -> None:
     g = LatencyGuard(ceiling=1_000_000, floor=500)
     # 40,000 tokens in flight against a ceiling of a million: cutting the ceiling by 30% would
     # hold nothing back; the cut takes 30% off what is in flight.
-    assert g.update(0.0, 3.0, 0.02, 2.0, 0.06, 100, inflight=40_000)
+    assert g.update(0.0, "red", inflight=40_000)
     assert g.limit == pytest.approx(28_000)
     # Green, but the load is far under the limit (a lull): the limit does not creep up.
-    g.update(10.0, 1.0, 0.02, 2.0, 0.06, 100, inflight=5_000)
+    g.update(10.0, "green", inflight=5_000)
     assert g.limit == pytest.approx(28_000)
     # Green and binding: it grows by 5% of itself a tick.
-    g.update(11.0, 1.0, 0.02, 2.0, 0.06, 100, inflight=27_000)
+    g.update(11.0, "green", inflight=27_000)
     assert g.limit == pytest.approx(29_400)
+
+
+def test_guard_verdict_needs_two_samples_over_and_a_few_to_be_green() -> None:
+    assert verdict(over=1, samples=20) == "green"   # one of 20: P99 is the worst; noise
+    assert verdict(over=1, samples=8) == "unsure"   # one of 8 over: not enough to say
+    assert verdict(over=2, samples=8) == "red"
+    assert verdict(over=0, samples=5) == "green" and verdict(0, 4) == "unsure"
+    assert verdict(over=2, samples=300) == "green"  # under 1%
+    assert verdict(over=4, samples=300) == "red"
+    assert combine("green", "red") == "red" and combine("green", "unsure") == "unsure"
+    assert combine("green", "green") == "green"
 
 
 def test_guard_judges_a_cut_only_by_requests_admitted_after_it() -> None:
@@ -225,6 +236,8 @@ def test_windowed_quantiles_follow_the_window() -> None:
     clock.now += 11  # the window moved past every sample
     assert q.quantile(0.99) is None
     q.observe(1.0)
+    q.observe(3.0)
+    assert q.count_over(2.0) == 1 and q.count_over(0.5) == 2
     q.clear()
     assert q.count() == 0 and q.quantile(0.5) is None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.signals.streams import MIN_TOKENS, LiveStreams, p99
+from gateway.signals.streams import MIN_TOKENS, LiveStreams, count_over
 
 
 @dataclass
@@ -29,4 +29,4 @@ def test_streams_in_flight_report_latency_so_far() -> None:
     assert 2 < MIN_TOKENS
     live.discard(gone)
     assert len(live) == 3
-    assert p99([]) is None and p99([3.0, 1.0, 2.0]) == 3.0
+    assert count_over([3.0, 1.0, 2.0], 1.5) == 2 and count_over([], 1.0) == 0

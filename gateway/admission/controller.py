@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.admission.guard import LatencyGuard
+from gateway.admission.guard import LatencyGuard, Verdict, combine, verdict
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.admission.thresholds import Thresholds, thresholds_for
 from gateway.backends import Backend, Backends
@@ -37,7 +37,7 @@ from gateway.profiles import get_gpu, ledger
 from gateway.protocol import GatewayError
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
-from gateway.signals.streams import LiveStreams, StreamProgress, Watched, p99
+from gateway.signals.streams import LiveStreams, StreamProgress, Watched, count_over
 from gateway.state import Lease, Limits, MemoryState, StateBackend, StateError
 
 log = logging.getLogger("gateway.admission")
@@ -610,11 +610,13 @@ class Admission:
             # an engine in collapse completes nothing, and its streams say so at once.
             live_ttft, live_tpot = ps.live.latencies(asyncio.get_running_loop().time(),
                                                      since=ps.guard.last_cut)
-            ttft = _worst(ps.ttft.quantile(0.99), p99(live_ttft))
-            tpot = _worst(ps.tpot.quantile(0.99), p99(live_tpot))
-            samples = ps.ttft.count() + len(live_ttft)
-            cut = ps.guard.update(now, ttft, tpot, th.ttft_p99_max_s.value,
-                                  th.tpot_p99_max_s.value, samples,
+            verdicts: list[Verdict] = []
+            for line, window, live in ((th.ttft_p99_max_s.value, ps.ttft, live_ttft),
+                                       (th.tpot_p99_max_s.value, ps.tpot, live_tpot)):
+                if line is not None:
+                    verdicts.append(verdict(window.count_over(line) + count_over(live, line),
+                                            window.count() + len(live)))
+            cut = ps.guard.update(now, combine(*verdicts) if verdicts else "unsure",
                                   inflight=ps.reserved_tokens)
             if cut:  # judge the new limit by what it admits, not by the window before it
                 ps.ttft.clear()
@@ -657,6 +659,3 @@ def _no_backend(pool: str) -> GatewayError:
     return NoBackendAvailable(f"No healthy backend in pool `{pool}`.",
                               headers={"retry-after": "1"})
 
-
-def _worst(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)

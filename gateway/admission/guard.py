@@ -1,24 +1,50 @@
 """Latency guard: shrink a pool's in-flight token limit when its P99 crosses the SLO.
 
-AIMD, as TCP does with its window. When the windowed P99 TTFT or TPOT is over its threshold
-the limit is cut to `DECREASE` of the tokens in flight (at most once per `HOLD_S`); the caller
-then restarts its latency windows and judges the new limit only by the requests it admits, so
-one slow period is punished once, not for as long as it stays in a window. While both P99s are
-under, the limit grows by `INCREASE` of itself per tick, but only while it binds (the tokens in
-flight are near it): a limit that grew during a lull would let the next burst in whole (the
-rule RFC 7661 gives TCP for windows it is not using). So admission adapts between calibrations,
-before engines preempt, and holds a pool where its latency SLOs are met.
-"""
+AIMD, as TCP does with its window. When the P99 TTFT or TPOT (of the window's completed
+requests and the streams in flight together) is over its line, the limit is cut to `DECREASE`
+of the tokens in flight (at most once per `HOLD_S`); the caller then restarts its latency
+windows and judges the new limit only by the requests it admits, so one slow period is
+punished once, not for as long as it stays in a window. While both are under, the limit grows
+by `INCREASE` of itself per tick, but only while it binds (the tokens in flight are near it): a
+limit that grew during a lull would let the next burst in whole (the rule RFC 7661 gives TCP
+for windows it is not using). So admission adapts between calibrations, before engines preempt,
+and holds a pool where its latency SLOs are met."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 DECREASE = 0.7
 INCREASE = 0.05
 BINDING = 0.8  # in flight at least this share of the limit: the limit is what holds load back
 HOLD_S = 5.0
-MIN_SAMPLES = 20
+MIN_GREEN = 5  # fewer fresh samples than this, and none over its line: no verdict yet
+MIN_SAMPLES = 20  # from this many, a sample or two over the line (under 1%) is still green
+
+Verdict = Literal["red", "green", "unsure"]
+
+
+def verdict(over: int, samples: int) -> Verdict:
+    """Is the P99 over its line, given `over` of `samples` above it?
+
+    A P99 is over its line when more than 1% of samples are; but on few samples that is the
+    single worst one (one 14K-token prompt still waiting for its second prefill chunk), so red
+    takes two at least. Green needs a few samples and none over, or enough samples to call a
+    lone one noise; anything between is no verdict, and the limit holds.
+    """
+    if over > max(1, samples // 100):
+        return "red"
+    if (over == 0 and samples >= MIN_GREEN) or samples >= MIN_SAMPLES:
+        return "green"
+    return "unsure"
+
+
+def combine(*verdicts: Verdict) -> Verdict:
+    """Red if any is red; green only if all are."""
+    if "red" in verdicts:
+        return "red"
+    return "green" if all(v == "green" for v in verdicts) else "unsure"
 
 
 @dataclass
@@ -32,15 +58,11 @@ class LatencyGuard:
     def __post_init__(self) -> None:
         self.limit = self.ceiling
 
-    def update(self, now: float, ttft_p99: float | None, tpot_p99: float | None,
-               ttft_max: float | None, tpot_max: float | None, samples: int,
-               inflight: float | None = None) -> bool:
+    def update(self, now: float, verdict: Verdict, inflight: float | None = None) -> bool:
         """One tick's verdict; True when it cut the limit."""
-        if samples < MIN_SAMPLES:
+        if verdict == "unsure":
             return False
-        over = (ttft_max is not None and ttft_p99 is not None and ttft_p99 > ttft_max) or \
-               (tpot_max is not None and tpot_p99 is not None and tpot_p99 > tpot_max)
-        if over:
+        if verdict == "red":
             self.state = "red"
             if now - self.last_cut < HOLD_S:
                 return False

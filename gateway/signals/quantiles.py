@@ -65,6 +65,11 @@ class WindowedQuantiles:
     def count(self) -> int:
         return self.merged()[1]
 
+    def count_over(self, value: float) -> int:
+        """Samples in the window above `value` (to one bucket, 5%)."""
+        merged, _ = self.merged()
+        return sum(merged[bisect.bisect_left(_EDGES, value) + 1:])
+
     def quantile(self, q: float) -> float | None:
         """The q-quantile over the window (upper bucket edge), or None with no samples."""
         merged, total = self.merged()

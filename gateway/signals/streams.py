@@ -11,7 +11,6 @@ date on its `Exchange`; reading them costs nothing on the per-chunk path.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,8 +67,5 @@ class LiveStreams:
         return ttfts, tpots
 
 
-def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values.sort()
-    return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+def count_over(values: list[float], line: float) -> int:
+    return sum(1 for v in values if v > line)
