@@ -12,6 +12,9 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.state.base import (
@@ -52,7 +55,10 @@ class RedisState(StateBackend):
         # policy's fail mode within a fraction of a second, never into a hung request.
         self.client: aioredis.Redis = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry_on_timeout=False, health_check_interval=5, max_connections=256)
+            retry_on_timeout=False, health_check_interval=5, max_connections=256,
+            # A pooled connection to a Redis that restarted fails its next command; one
+            # reconnect keeps that release (or reserve) from being lost to a dead socket.
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
         self._reserve = self.client.register_script(_script("reserve.lua", with_purge=True))
         self._release = self.client.register_script(_script("release.lua"))
         self._refresh = self.client.register_script(_script("refresh.lua"))
