@@ -422,6 +422,19 @@ def f_pct(share: float) -> str:
     return f"{share * 100:.0f}%"
 
 
+STALL_COLUMNS = ["target", "rep", "TTFT P50", "TTFT P99", "stall P99", "stall max", "proxy CPU",
+                 "client CPU", "other load", "client lag max", "gateway loop lag",
+                 "gateway GC pauses"]
+
+
+def stall_row(name: str, rep: int, r: TtftRun, proxied: bool) -> list[str]:
+    """One run of parts C and D as a table row (the proxy's CPU only when there is one)."""
+    return [name, str(rep), f_ms(r.p50), f_ms(r.p99), f_ms(r.excess_gap_p99),
+            f_ms(r.excess_gap_max), f_pct(r.usage.proxy) if proxied else "",
+            f_pct(r.usage.client), f_pct(r.usage.other), f_ms(r.client_lag_max),
+            "" if r.loop_lag is None else r.loop_lag.show(), r.gc]
+
+
 def machine_context() -> list[str]:
     cpu = "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -646,13 +659,8 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   f"{f_ms(r.excess_gap_max)} ttft p99 {f_ms(r.p99)} {r.usage.show()}",
                   flush=True)
             proxied = t.proc is not None
-            rows.append([t.name, str(rep), f_ms(r.p50), f_ms(r.p99), f_ms(r.excess_gap_p99),
-                         f_ms(r.excess_gap_max), f_pct(r.usage.proxy) if proxied else "",
-                         f_pct(r.usage.client), f_pct(r.usage.other), f_ms(r.client_lag_max),
-                         "" if r.loop_lag is None else r.loop_lag.show(), r.gc])
-    out.table(["target", "rep", "TTFT P50", "TTFT P99", "stall P99", "stall max", "proxy CPU",
-               "client CPU", "other load", "client lag max", "gateway loop lag",
-               "gateway GC pauses"], rows)
+            rows.append(stall_row(t.name, rep, r, proxied))
+    out.table(STALL_COLUMNS, rows)
     out("A stall seen direct as well as through the gateway belongs to the engine or the "
         "client (both on CPU 0), not to the gateway. The GC pauses above are the ones that "
         "happened during the run; part D forces full collections.")
@@ -695,14 +703,8 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
                       f"{f_ms(r.excess_gap_max)} {r.usage.show()} gc {r.gc or '-'}",
                       flush=True)
                 proxied = t.proc is not None
-                rows.append([t.name, str(rep), f_ms(r.p50), f_ms(r.p99),
-                             f_ms(r.excess_gap_p99), f_ms(r.excess_gap_max),
-                             f_pct(r.usage.proxy) if proxied else "", f_pct(r.usage.client),
-                             f_pct(r.usage.other), f_ms(r.client_lag_max),
-                             "" if r.loop_lag is None else r.loop_lag.show(), r.gc])
-    out.table(["target", "rep", "TTFT P50", "TTFT P99", "stall P99", "stall max", "proxy CPU",
-               "client CPU", "other load", "client lag max", "gateway loop lag",
-               "gateway GC pauses"], rows)
+                rows.append(stall_row(t.name, rep, r, proxied))
+    out.table(STALL_COLUMNS, rows)
     out("Side by side (stall P99: median over repeats; stall max: worst of all repeats; "
         "full collections: `gateway_gc_pause_seconds{generation=\"2\"}` over all repeats, "
         "timed in the collecting thread's CPU time):")
