@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -222,8 +223,8 @@ def calibrate(setup: Setup, rates: tuple[float, ...], duration: float, admission
             "knee_rate": sweep["sweep"]["knee_rate"], "learned": learned}
 
 
-def part_a(tmp: Path, quick: bool, setup: Setup,
-           reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = None,
+           only: str = "abc") -> dict[str, Any]:
     duration = 30.0 if quick else 60.0
     wall_slo = slo(setup)
     results: dict[str, Any] = {"engine": setup.note, "slo": wall_slo, "slo_real": setup.slo_real}
@@ -242,11 +243,16 @@ def part_a(tmp: Path, quick: bool, setup: Setup,
     results["calibration"] = cal
     if cal["knee_rate"] is None:
         raise SystemExit("calibration found no knee: lower the setup's rates")
+    # The goal's "peak goodput measured at the knee" is the knee step's goodput (the highest
+    # rate whose attainment holds). A step past the knee can serve more within the SLO while
+    # missing it for more than the target allows; the best step is reported beside it.
     best = max(cal["steps"], key=lambda s: s["request_goodput"] or 0)
+    knee = next(s for s in cal["steps"] if s["rate"] == cal["knee_rate"])
     overload = 2 * cal["knee_rate"]
-    results.update(peak_goodput=best["request_goodput"], knee_rate=cal["knee_rate"],
-                   overload_rate=overload)
-    print(f"  knee at {cal['knee_rate']:g}/s, peak goodput {best['request_goodput']:.2f}/s; "
+    results.update(peak_goodput=knee["request_goodput"], best_step_goodput=best["request_goodput"],
+                   knee_rate=cal["knee_rate"], overload_rate=overload)
+    print(f"  knee at {cal['knee_rate']:g}/s, goodput there {knee['request_goodput']:.2f}/s "
+          f"(best step {best['rate']:g}/s: {best['request_goodput']:.2f}/s); "
           f"overload = {overload:g}/s; learned: "
           + ", ".join(f"{k} {v}" for k, v in cal["learned"].items() if k != "provenance"),
           flush=True)
@@ -256,6 +262,8 @@ def part_a(tmp: Path, quick: bool, setup: Setup,
     # Each configuration gets fresh engines: no state carried between them.
     for name, extra in (("(a) direct", None), ("(b) gateway", reserve),
                         ("(c) gateway, static rule", static)):
+        if only and name[1] not in only:
+            continue
         urls, specs = engines(2, setup)
         if extra is None:
             with processes(specs, tmp):
@@ -264,19 +272,84 @@ def part_a(tmp: Path, quick: bool, setup: Setup,
         else:
             gw_url, gw_spec = gateway(policy_yaml(pool_yaml("default", urls, setup, extra),
                                                   setup), tmp)
-            with processes([*specs, gw_spec], tmp):
+            with processes([*specs, gw_spec], tmp), Timeline(gw_url) as timeline:
                 runs[name] = run_load([gw_url], AZURE, overload, duration,
                                       tmp / f"{name[1]}.json", setup)
                 late = engines_late(urls)
+                runs[name]["decisions"] = decisions(gw_url)
+            runs[name]["timeline"] = timeline.rows
         runs[name]["engines_late_s"] = late
         print(f"  {row(name, runs[name])}  (engines late {late:.1f} s)", flush=True)
+        if "decisions" in runs[name]:
+            print("      decisions: " + ", ".join(
+                f"{k} {v}" for k, v in runs[name]["decisions"].items()), flush=True)
     results["runs"] = runs
-    b, c = runs["(b) gateway"], runs["(c) gateway, static rule"]
+    good = {name[1]: r["request_goodput"] for name, r in runs.items()}
     results["ratios"] = {
-        "b_vs_peak": _ratio(b["request_goodput"], best["request_goodput"]),
-        "b_vs_c": _ratio(b["request_goodput"], c["request_goodput"]),
-        "b_vs_a": _ratio(b["request_goodput"], runs["(a) direct"]["request_goodput"])}
+        "b_vs_peak": _ratio(good.get("b"), knee["request_goodput"]),
+        "b_vs_best_step": _ratio(good.get("b"), best["request_goodput"]),
+        "b_vs_c": _ratio(good.get("b"), good.get("c")),
+        "b_vs_a": _ratio(good.get("b"), good.get("a"))}
     return results
+
+
+class Timeline:
+    """The gateway's view of the pool once a second during a run, from /gateway/estimate:
+    guard limit and state, tokens reserved, queue depth, drain rate, each engine's waiting."""
+
+    BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 16}).encode()
+
+    def __init__(self, gateway_url: str) -> None:
+        self.url = gateway_url + "/gateway/estimate"
+        self.rows: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        start = time.monotonic()
+        while not self._stop.wait(1.0):
+            req = urllib.request.Request(self.url, data=self.BODY,
+                                         headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=2) as resp:
+                    d = json.loads(resp.read())["decision"]
+            except (OSError, ValueError, KeyError):
+                continue
+            pool = d["pool"]
+            self.rows.append({
+                "t": round(time.monotonic() - start, 1),
+                "limit": round(pool["guard_limit_tokens"]), "guard": pool["guard_state"],
+                "reserved": pool["reserved_tokens"], "queue": pool["queue_depth"],
+                "drain": round(pool["drain_rate_tokens_s"]),
+                "waiting": [(b["engine"] or {}).get("waiting") for b in d["backends"].values()],
+                "out": [b["engine_rules_out"] for b in d["backends"].values()],
+                "would": d["decision"] + "/" + d["reason"]})
+
+
+def decisions(gateway_url: str) -> dict[str, int]:
+    """The gateway's admission decisions, `decision/reason` -> count, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "gateway_admission_decisions":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_total") and s.value:
+                key = f"{s.labels['decision']}/{s.labels['reason']}"
+                out[key] = out.get(key, 0) + int(s.value)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
@@ -360,6 +433,8 @@ def main() -> int:
                     help="part A's engine profile (default 8b)")
     ap.add_argument("--reuse", metavar="RESULTS.json",
                     help="skip part A's calibration: take it from an earlier run's --out")
+    ap.add_argument("--only", default="abc", metavar="CONFIGS",
+                    help="part A's configurations to run, e.g. `b` (default abc)")
     args = ap.parse_args()
     for trace in (AZURE, MOONCAKE):
         if not trace.exists():
@@ -371,12 +446,13 @@ def main() -> int:
         if args.part in ("a", "both"):
             reuse = json.loads(Path(args.reuse).read_text())["a"]["calibration"] \
                 if args.reuse else None
-            out["a"] = part_a(tmp, args.quick, SETUPS[args.engine], reuse)
+            out["a"] = part_a(tmp, args.quick, SETUPS[args.engine], reuse, args.only)
             print("\n" + HEADER)
             for name, r in out["a"]["runs"].items():
                 print(row(name, r))
             ra = out["a"]["ratios"]
-            print(f"\n(b) goodput / knee peak = {_fmt(ra['b_vs_peak'])} (goal >= 0.90); "
+            print(f"\n(b) goodput / knee's = {_fmt(ra['b_vs_peak'])} (goal >= 0.90; / best "
+                  f"step's {_fmt(ra['b_vs_best_step'])}); "
                   f"(b) / (c) = {_fmt(ra['b_vs_c'])} (goal >= 1.3); (b) / (a) = "
                   f"{_fmt(ra['b_vs_a'])}")
         if args.part in ("b", "both"):

@@ -81,6 +81,10 @@ class GatewayMetrics:
             "gateway_kv_blocks_reserved", "KV blocks reserved by in-flight requests "
             "(all replicas sharing the state backend).", ["pool", "backend"], registry=r,
             multiprocess_mode="livemostrecent")
+        self.prefill_tokens_pending = Gauge(
+            "gateway_prefill_tokens_pending", "Prompt tokens this replica sent to the backend "
+            "that still await their first token: the engine's prefill backlog.",
+            ["pool", "backend"], registry=r, multiprocess_mode="livesum")
         self.kv_blocks_capacity = Gauge(
             "gateway_kv_blocks_capacity", "KV blocks of the backend: from the engine's "
             "vllm:cache_config_info, else the policy, else the planner's ledger.",

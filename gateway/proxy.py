@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -66,6 +67,7 @@ class Exchange:
     cached_tokens: int | None = None
     # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
     strip_usage: bool = False
+    on_first_byte: Callable[[], None] | None = None  # once: admission's prefill backlog
 
 
 class Forwarder:
@@ -153,6 +155,8 @@ class Forwarder:
                 self.backends.record_success(backend)
                 _parse_usage(ex, body)
             ex.first_byte = ex.finished = self.loop.time()
+            if ex.on_first_byte is not None:
+                ex.on_first_byte()
             await self._start(ex, send, resp.status, len(body))
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
@@ -195,6 +199,8 @@ class Forwarder:
                     break
                 if ex.first_byte is None:
                     ex.first_byte = loop_time()
+                    if ex.on_first_byte is not None:
+                        ex.on_first_byte()
                 # Kept on the exchange as it goes: the latency guard reads streams in flight.
                 ex.sse_events += chunk.count(b"data:")
                 if b'"usage":{' in chunk:

@@ -3,11 +3,12 @@
 The pool's engines are swept directly (no gateway in between), each request sent to the engine
 with the fewest in flight, while every engine's `/metrics` is scraped. At the knee (the highest
 rate whose SLO attainment holds) the engine state the SLOs tolerated is read off: KV-cache
-usage and waiting requests (the highest over the engines at each scrape) and the pool's
-in-flight tokens (prompt + output of every request in flight, counted by the generator, as the
-gateway counts its reservations). A high percentile of each over the knee step's steady part
-(the first quarter is warm-up), less a safety margin, becomes the `learned` block of the pool's
-`admission`, with its provenance.
+usage and waiting requests (the highest over the engines at each scrape), the pool's in-flight
+tokens (prompt + output of every request in flight, counted by the generator, as the gateway
+counts its reservations), and each engine's prefill backlog (prompt tokens sent to it that
+await their first token, the highest over the engines, as the gateway counts it). A high
+percentile of each over the knee step's steady part (the first quarter is warm-up), less a
+safety margin, becomes the `learned` block of the pool's `admission`, with its provenance.
 
 The policy file is an SRE's: it is edited in ruamel.yaml's round-trip mode, so comments, key
 order and layout stay as they were; only the `learned` block is replaced. The new text must
@@ -83,6 +84,7 @@ class StateSample:
     waiting: float | None          # highest over the engines
     running: float | None          # summed over the engines
     in_flight_tokens: int          # the pool's, from the generator
+    prefill_tokens: int = 0        # highest over the engines, from the generator
 
 
 async def scrape_engines(urls: list[str], engine: str, runner: Runner, interval_s: float,
@@ -92,6 +94,7 @@ async def scrape_engines(urls: list[str], engine: str, runner: Runner, interval_
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
         while len(out) < 100_000:
             tokens = runner.tracker.in_flight_tokens
+            prefill = max((c.prefill_pending for c in runner.clients), default=0)
 
             async def one(url: str) -> Any:
                 try:
@@ -107,7 +110,7 @@ async def scrape_engines(urls: list[str], engine: str, runner: Runner, interval_
             running = [g.running for g in got if g.running is not None]
             out.append(StateSample(time.perf_counter() - t0, max(kv) if kv else None,
                                    max(waiting) if waiting else None,
-                                   sum(running) if running else None, tokens))
+                                   sum(running) if running else None, tokens, prefill))
             await asyncio.sleep(interval_s)
 
 
@@ -115,7 +118,7 @@ def state_summary(samples: list[StateSample]) -> dict[str, Any]:
     """Percentiles of the step's steady part, per signal."""
     steady = samples[int(len(samples) * WARMUP_SHARE):]
     out: dict[str, Any] = {"samples": len(steady)}
-    for name in ("kv_usage", "waiting", "running", "in_flight_tokens"):
+    for name in ("kv_usage", "waiting", "running", "in_flight_tokens", "prefill_tokens"):
         values = [float(v) for s in steady if (v := getattr(s, name)) is not None]
         for stat, q in STATISTICS.items():
             out[f"{name}_{stat}"] = percentile(values, q) if values else None
@@ -152,6 +155,9 @@ def learned_values(state: dict[str, Any], statistic: str, margin: float,
     tokens = state.get(f"in_flight_tokens_{statistic}")
     if tokens is not None and tokens >= 1:
         out["inflight_tokens_max"] = max(1, int(tokens * keep))
+    prefill = state.get(f"prefill_tokens_{statistic}")
+    if prefill is not None and prefill >= 1:
+        out["prefill_tokens_max"] = max(1, int(prefill * keep))
     waiting = state.get(f"waiting_{statistic}")
     if waiting is not None:
         out["waiting_max"] = max(0, math.floor(waiting * keep))
@@ -175,6 +181,7 @@ def provenance(sweep: Sweep, knee_state: dict[str, Any], args: argparse.Namespac
         "knee_kv_usage": _round(knee_state.get(f"kv_usage_{stat}")),
         "knee_in_flight_tokens": _round(knee_state.get(f"in_flight_tokens_{stat}")),
         "knee_waiting": _round(knee_state.get(f"waiting_{stat}")),
+        "knee_prefill_tokens": _round(knee_state.get(f"prefill_tokens_{stat}")),
     }
 
 
@@ -199,8 +206,8 @@ def rewrite_policy(text: str, pool: str, learned: dict[str, Any]) -> str:
         admission = CommentedMap()
         pool_map["admission"] = admission
     block = CommentedMap()
-    for key in ("kv_usage_max", "inflight_tokens_max", "waiting_max", "ttft_p99_max_s",
-                "tpot_p99_max_s"):
+    for key in ("kv_usage_max", "inflight_tokens_max", "waiting_max", "prefill_tokens_max",
+                "ttft_p99_max_s", "tpot_p99_max_s"):
         if key in learned:
             block[key] = learned[key]
     prov = CommentedMap()

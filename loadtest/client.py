@@ -153,6 +153,7 @@ class StreamClient:
         self.events_total = 0
         self.bytes_total = 0
         self.in_flight = 0
+        self.prefill_pending = 0  # prompt tokens sent that still await their first token
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self._connections = connections
@@ -180,8 +181,11 @@ class StreamClient:
             await self._session.close()
             self._session = None
 
-    async def send(self, spec: RequestSpec, run_start: float | None = None) -> RequestResult:
-        """Send one request and read its whole answer; never raises for a failed request."""
+    async def send(self, spec: RequestSpec, run_start: float | None = None,
+                   prompt_tokens: int = 0) -> RequestResult:
+        """Send one request and read its whole answer; never raises for a failed request.
+        `prompt_tokens` count in `prefill_pending` until its first token (calibration reads
+        each engine's prefill backlog from it)."""
         self.open()
         assert self._session is not None
         t0 = time.perf_counter()
@@ -196,6 +200,8 @@ class StreamClient:
         retry_after: float | None = None
         queue_ms: float | None = None
         self.in_flight += 1
+        prefill = prompt_tokens
+        self.prefill_pending += prefill
         try:
             async with self._session.post(self.base_url + spec.path, data=spec.body,
                                           headers=spec.headers) as resp:
@@ -249,12 +255,15 @@ class StreamClient:
                                 ttft = now - t0
                                 last_t = now
                                 head = b""
+                                self.prefill_pending -= prefill
+                                prefill = 0
                     self.bytes_total += nbytes
                     usage, error = _last_event(tail, sse=True)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         finally:
             self.in_flight -= 1
+            self.prefill_pending -= prefill
         return RequestResult(start_s=start_s, status=status, ttft_s=ttft,
                              e2e_s=time.perf_counter() - t0, events=events, gaps_s=gaps,
                              max_gap_s=max_gap, usage=usage, error=error,

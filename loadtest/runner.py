@@ -201,7 +201,7 @@ class Runner:
         tr.in_flight += 1
         tr.in_flight_tokens += tokens
         try:
-            result = await self._client().send(spec, run_start=t0)
+            result = await self._client().send(spec, run_start=t0, prompt_tokens=prompt_tokens)
         finally:
             tr.in_flight -= 1
             tr.in_flight_tokens -= tokens

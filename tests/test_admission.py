@@ -50,7 +50,8 @@ def wait_released(gw: Server, timeout: float = 10.0) -> None:
         s = scrape(gw.url)
         if metric(s, "gateway_kv_blocks_reserved") == 0 \
                 and metric(s, "gateway_inflight_requests") == 0 \
-                and metric(s, "gateway_queue_depth") == 0:
+                and metric(s, "gateway_queue_depth") == 0 \
+                and metric(s, "gateway_prefill_tokens_pending") == 0:
             return
         time.sleep(0.1)
     pytest.fail(f"reservations not released: {metric(s, 'gateway_kv_blocks_reserved')} blocks")
@@ -134,6 +135,23 @@ def test_every_exit_releases_its_reservation(start_sim: StartSim, start_gateway:
         s = scrape(gw.url)
         assert metric(s, "gateway_requests_total", status="499") >= 1
         assert metric(s, "gateway_upstream_errors_total") >= 1
+
+
+def test_prefill_backlog_queues_until_first_tokens(start_sim: StartSim,
+                                                   start_gateway: StartGateway) -> None:
+    """A limit of one prompt token awaiting its first token: each engine prefills one request
+    at a time; the rest wait in the queue for a first byte, then all complete."""
+    admission = ("    admission: {queue_size: 16, queue_wait_max_s: 20, "
+                 "prefill_tokens_max: 1}\n")
+    with start_sim("--time-scale", "20") as sim, \
+            start_gateway(policy_yaml([sim.url], pool_extra=admission)) as gw:
+        with cf.ThreadPoolExecutor(6) as pool:
+            decisions = list(pool.map(lambda _: stream_all(gw, 20), range(6)))
+        assert "queued" in decisions and "admitted" in decisions
+        s = scrape(gw.url)
+        assert metric(s, "gateway_admission_decisions_total", decision="queued",
+                      reason="prefill_tokens") >= 1
+        wait_released(gw)
 
 
 def set_faults(sim: Server, body: dict[str, object]) -> None:

@@ -229,13 +229,13 @@ def test_gate_command_exit_codes(tmp_path: Path) -> None:
 
 
 def test_learned_values_take_the_margin_off_the_knee_state() -> None:
-    samples = [StateSample(i, 0.5 + i / 100, float(i % 3), 4.0, 1000 + 10 * i)
+    samples = [StateSample(i, 0.5 + i / 100, float(i % 3), 4.0, 1000 + 10 * i, 100 * i)
                for i in range(40)]
     state = state_summary(samples)
     assert state["samples"] == 30                       # the first quarter is warm-up
     values = learned_values(state, "max", 0.1)
     assert values == {"kv_usage_max": round(0.89 * 0.9, 3), "inflight_tokens_max": 1251,
-                      "waiting_max": 1}
+                      "prefill_tokens_max": 3510, "waiting_max": 1}
     # The guard's lines: each SLO target, or the knee's own P99 where that is higher (here
     # TPOT: prefill stalls put the knee's P99 over a target its attainment still met).
     latency = learned_values(state, "max", 0.1, {"p99_ttft_ms": 850.0, "p99_tpot_ms": 42.5},
@@ -247,13 +247,14 @@ def test_rewrite_keeps_comments_and_layout_and_passes_the_gateway_check() -> Non
     text = "# SRE notes stay\n" + policy_yaml(["http://127.0.0.1:9"], pool_extra=(
         "    admission:\n      queue_size: 8   # small on purpose\n"))
     learned = {"kv_usage_max": 0.7, "inflight_tokens_max": 5000, "waiting_max": 2,
-               "provenance": {"date": "2026-01-01", "knee_rate_rps": 4.0}}
+               "prefill_tokens_max": 3000, "provenance": {"date": "2026-01-01", "knee_rate_rps": 4.0}}
     new = rewrite_policy(text, "default", learned)
     assert "# SRE notes stay" in new and "queue_size: 8   # small on purpose" in new
     assert "- {name: e0, url: \"http://127.0.0.1:9\"}" in new  # flow style and quotes kept
     policy = parse_policy(new)
     got = policy.pools["default"].admission.learned
     assert got is not None and got.kv_usage_max == 0.7 and got.inflight_tokens_max == 5000
+    assert got.prefill_tokens_max == 3000
     assert got.provenance == {"date": "2026-01-01", "knee_rate_rps": 4.0}
     again = rewrite_policy(new, "default", {**learned, "kv_usage_max": 0.6})
     assert again.count("learned:") == 1 and "kv_usage_max: 0.6" in again

@@ -5,7 +5,9 @@ admitted onto the backend with the most KV headroom when the reservation fits un
 backend's block limit (`kv_usage_max` of its capacity, less what the engine reports in use
 beyond our own reservations) and the pool's in-flight tokens stay under the limit (the policy's
 `inflight_tokens_max`, shrunk by the latency guard while P99 is over the SLO), and the engine's
-own waiting queue is under `waiting_max`.
+own waiting queue is under `waiting_max`, and the prompt tokens it has been sent that still
+await their first token (its prefill backlog, what TTFT waits on) are under
+`prefill_tokens_max`.
 
 Otherwise it waits in the pool's fair queue if its predicted wait (work queued ahead over the
 pool's measured drain rate) fits its deadline; if not, it is rejected at once with 503 and a
@@ -37,7 +39,13 @@ from gateway.profiles import get_gpu, ledger
 from gateway.protocol import GatewayError
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
-from gateway.signals.streams import LiveStreams, StreamProgress, Watched, count_over
+from gateway.signals.streams import (
+    TPOT_MARGIN,
+    LiveStreams,
+    StreamProgress,
+    Watched,
+    count_over,
+)
 from gateway.state import Lease, Limits, MemoryState, StateBackend, StateError
 
 log = logging.getLogger("gateway.admission")
@@ -67,6 +75,7 @@ class Ticket:
     queue_s: float = 0.0
     overflow: bool = False
     watched: Watched | None = None  # followed by the latency guard while it streams
+    prefill: int = 0  # prompt tokens counted in its backend's prefill backlog until 1st byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,7 @@ class Ask:
     tenant: str = ""
     tenant_share: float | None = None  # the tenant's max share of the pool's KV budget
     tenant_shadow: bool = False  # the tenant's share is counted, not enforced
+    prompt_tokens: int = 0  # what its engine must prefill before the first token
 
 
 @dataclass(eq=False)
@@ -98,6 +108,7 @@ class PoolState:
     capacity: dict[str, int] = field(default_factory=dict)  # backend -> KV blocks
     reserved: dict[str, int] = field(default_factory=dict)  # last known, backend -> blocks
     reserved_tokens: int = 0
+    prefill: dict[str, int] = field(default_factory=dict)  # backend -> tokens before 1st byte
     drained_tokens: float = 0.0
     drain_rate: float = 0.0  # tokens/s released, EWMA
     overflow_inflight: int = 0
@@ -133,6 +144,7 @@ class Admission:
             for b in spec.backends:
                 ps.capacity[b.name] = self._planned_blocks(spec)
                 ps.reserved[b.name] = 0
+                ps.prefill[b.name] = 0
                 metrics.kv_blocks_capacity.labels(name, b.name).set(ps.capacity[b.name])
                 metrics.kv_blocks_reserved.labels(name, b.name).set(0)
             self._rescale_guard(ps)
@@ -216,6 +228,27 @@ class Admission:
                 and sample.kv_usage > kv_max:
             return "engine_kv"
         return None
+
+    def _prefill_full(self, ps: PoolState, backend: str, prompt_tokens: int) -> bool:
+        """Would `prompt_tokens` more push the backend's prefill backlog over its limit?
+
+        The backlog is this replica's own count (it sees each stream's first byte), so each
+        replica takes its share of the limit, as it does of the budget when Redis is down. An
+        idle backend takes any prompt: one longer than the limit must still run somewhere.
+        """
+        limit = ps.thresholds.prefill_tokens_max.value
+        pending = ps.prefill.get(backend, 0)
+        return limit is not None and pending > 0 and \
+            pending + prompt_tokens > limit / max(1, self.replicas)
+
+    def prefill_done(self, ticket: Ticket) -> None:
+        """The first byte came back (or the request ended): its prompt is prefilled."""
+        if ticket.prefill:
+            ps = self.pools[ticket.pool]
+            b = ticket.backend.name
+            ps.prefill[b] = max(0, ps.prefill.get(b, 0) - ticket.prefill)
+            ticket.prefill = 0
+            self.metrics.prefill_tokens_pending.labels(ps.name, b).set(ps.prefill[b])
 
     # --- the decision -------------------------------------------------------------------------
 
@@ -310,6 +343,8 @@ class Admission:
         reason = "kv_blocks"
         for backend in scored:
             full = self._engine_full(ps, backend.name)
+            if full is None and self._prefill_full(ps, backend.name, ask.prompt_tokens):
+                full = "prefill_tokens"
             if full is not None:
                 reason = full
                 continue
@@ -363,9 +398,12 @@ class Admission:
         if ask.overflow:
             ps.overflow_inflight += 1
         ps.tenant_blocks[lease.tenant] = ps.tenant_blocks.get(lease.tenant, 0) + lease.blocks
+        ps.prefill[backend.name] = ps.prefill.get(backend.name, 0) + ask.prompt_tokens
+        self.metrics.prefill_tokens_pending.labels(ps.name, backend.name).set(
+            ps.prefill[backend.name])
         return Ticket(ps.name, backend, lease, store, "admitted",
                       "fallback" if store is self.fallback else "fits",
-                      overflow=ask.overflow), "fits"
+                      overflow=ask.overflow, prefill=ask.prompt_tokens), "fits"
 
     def preview(self, ask: Ask) -> dict[str, object]:
         """The decision `admit` would take now, without reserving: for /gateway/estimate."""
@@ -373,6 +411,7 @@ class Admission:
         now = self.clock()
         backends = {}
         best: tuple[int, str] | None = None
+        ruled_out = "no_backend"
         for b in self.backends.pools[ps.name]:
             limit = self.max_blocks(ps, b.name)
             reserved = ps.reserved.get(b.name, 0)
@@ -380,17 +419,24 @@ class Admission:
             backends[b.name] = {
                 "available": b.available(now), "capacity_blocks": ps.capacity[b.name],
                 "limit_blocks": limit, "reserved_blocks": reserved,
+                "prefill_pending_tokens": ps.prefill.get(b.name, 0),
                 "engine": None if sample is None else {
                     "kv_usage": sample.kv_usage, "waiting": sample.waiting,
                     "running": sample.running, "age_s": round(now - sample.at, 3)},
                 "engine_rules_out": self._engine_full(ps, b.name)}
-            if b.available(now) and self._engine_full(ps, b.name) is None:
+            full = self._engine_full(ps, b.name)
+            if full is None and self._prefill_full(ps, b.name, ask.prompt_tokens):
+                full = "prefill_tokens"
+            if b.available(now) and full is not None:
+                ruled_out = full
+            if b.available(now) and full is None:
                 headroom = limit - reserved
                 if best is None or headroom > best[0]:
                     best = (headroom, b.name)
         limit_tokens = ps.guard.limit
         if best is None:
-            decision, reason = "reject", "no_backend"
+            decision, reason = ("reject", "no_backend") if ruled_out == "no_backend" \
+                else ("wait", ruled_out)
         elif min(ask.blocks, max(1, best[0] + ps.reserved.get(best[1], 0))) > best[0]:
             decision, reason = "wait", "kv_blocks"
         elif ps.reserved_tokens and ps.reserved_tokens + ask.tokens > limit_tokens:
@@ -489,6 +535,7 @@ class Admission:
             "kv_blocks": "its engines' KV cache is at the admission limit",
             "inflight_tokens": "its in-flight token limit is reached",
             "engine_waiting": "its engines are already queueing requests",
+            "prefill_tokens": "its engines' prefill backlog is at the limit",
             "engine_kv": "its engines report their KV cache fuller than kv_usage_max",
             "tenant_share": "this tenant holds its whole share of the pool's KV cache",
         }.get(cause, cause)
@@ -536,15 +583,18 @@ class Admission:
                 head.ticket = ticket
                 head.future.set_result(reason)
 
-    def watch(self, ticket: Ticket, progress: StreamProgress, started: float) -> None:
-        """Follow a stream the guard should see before it ends (`started`: loop time)."""
+    def watch(self, ticket: Ticket, progress: StreamProgress, started: float,
+              expected_tokens: int = 0) -> None:
+        """Follow a stream the guard should see before it ends (`started`: loop time;
+        `expected_tokens`: the output the cost model expects of it)."""
         ps = self.pools[ticket.pool]
         if ps.spec.admission.mode == "static" or ticket.lease is None:
             return
-        ticket.watched = ps.live.add(progress, started, self.clock())
+        ticket.watched = ps.live.add(progress, started, self.clock(), expected_tokens)
 
     async def release(self, ticket: Ticket, *, completed: bool = True) -> None:
         ps = self.pools[ticket.pool]
+        self.prefill_done(ticket)
         if ticket.watched is not None:
             ps.live.discard(ticket.watched)
             ticket.watched = None
@@ -608,14 +658,16 @@ class Admission:
             th = ps.thresholds
             # Completed requests in the window, and those still in flight as they stand now:
             # an engine in collapse completes nothing, and its streams say so at once.
-            live_ttft, live_tpot = ps.live.latencies(asyncio.get_running_loop().time(),
-                                                     since=ps.guard.last_cut)
+            live_ttft, live_tpot = ps.live.latencies(
+                asyncio.get_running_loop().time(), since=ps.guard.last_cut,
+                pace=ps.tpot.quantile(0.5) or 0.0)
             verdicts: list[Verdict] = []
-            for line, window, live in ((th.ttft_p99_max_s.value, ps.ttft, live_ttft),
-                                       (th.tpot_p99_max_s.value, ps.tpot, live_tpot)):
+            for line, window, live, margin in (
+                    (th.ttft_p99_max_s.value, ps.ttft, live_ttft, 1.0),
+                    (th.tpot_p99_max_s.value, ps.tpot, live_tpot, TPOT_MARGIN)):
                 if line is not None:
-                    verdicts.append(verdict(window.count_over(line) + count_over(live, line),
-                                            window.count() + len(live)))
+                    over = window.count_over(line) + count_over(live, line * margin)
+                    verdicts.append(verdict(over, window.count() + len(live)))
             cut = ps.guard.update(now, combine(*verdicts) if verdicts else "unsure",
                                   inflight=ps.reserved_tokens)
             if cut:  # judge the new limit by what it admits, not by the window before it

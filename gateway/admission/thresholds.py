@@ -28,6 +28,7 @@ class Thresholds:
     kv_usage_max: Threshold
     inflight_tokens_max: Threshold
     waiting_max: Threshold
+    prefill_tokens_max: Threshold
     ttft_p99_max_s: Threshold
     tpot_p99_max_s: Threshold
 
@@ -36,6 +37,7 @@ class Thresholds:
                 for name, t in (("kv_usage_max", self.kv_usage_max),
                                 ("inflight_tokens_max", self.inflight_tokens_max),
                                 ("waiting_max", self.waiting_max),
+                                ("prefill_tokens_max", self.prefill_tokens_max),
                                 ("ttft_p99_max_s", self.ttft_p99_max_s),
                                 ("tpot_p99_max_s", self.tpot_p99_max_s))}
 
@@ -57,6 +59,8 @@ def thresholds_for(pool: PoolSpec) -> Thresholds:
         inflight_tokens_max=_pick(a.inflight_tokens_max,
                                   learned.inflight_tokens_max if learned else None, None),
         waiting_max=_pick(a.waiting_max, learned.waiting_max if learned else None, None),
+        prefill_tokens_max=_pick(a.prefill_tokens_max,
+                                 learned.prefill_tokens_max if learned else None, None),
         ttft_p99_max_s=_pick(a.ttft_p99_max_s, learned.ttft_p99_max_s if learned else None,
                              None),
         tpot_p99_max_s=_pick(a.tpot_p99_max_s, learned.tpot_p99_max_s if learned else None,

@@ -37,7 +37,8 @@ async def estimate_endpoint(request: Request) -> Response:
         costed, _ = await cost_request(rt, model, data, parsed)
     except GatewayError as err:
         return _error(err)
-    ask = Ask(costed.route.pool, costed.blocks, costed.tokens, overflow=costed.route.overflow)
+    ask = Ask(costed.route.pool, costed.blocks, costed.tokens, overflow=costed.route.overflow,
+              prompt_tokens=costed.prompt_tokens)
     decision = rt.admission.preview(ask)
     out = {
         "model": model.name,

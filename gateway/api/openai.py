@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -124,7 +125,7 @@ class CompletionsEndpoint:
                       caller=tenant.name, deadline_s=_client_deadline(headers),
                       overflow=route.overflow, tenant=tenant.name,
                       tenant_share=tenant.max_kv_share,
-                      tenant_shadow=tenant.shadow)
+                      tenant_shadow=tenant.shadow, prompt_tokens=costed.prompt_tokens)
             strip_usage = False
             if parsed.stream and not (parsed.stream_options and
                                       parsed.stream_options.include_usage):
@@ -150,12 +151,14 @@ class CompletionsEndpoint:
                 pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
                 response_headers=response_headers, tenant=tenant.name,
                 estimated_prompt_tokens=costed.prompt_tokens, strip_usage=strip_usage,
+                on_first_byte=partial(rt.admission.prefill_done, ticket),
             )
             inflight = rt.metrics.pool_children(route.pool)[3]
             inflight.inc()
             forward_start = loop.time()
             if ex.stream:
-                rt.admission.watch(ticket, ex, forward_start)
+                rt.admission.watch(ticket, ex, forward_start,
+                                   costed.cost.expected_output_tokens)
             try:
                 await rt.forwarder.forward(ex, send, ticket.backend)
             finally:

@@ -115,6 +115,7 @@ class Learned(Strict):
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None
     inflight_tokens_max: PositiveInt | None = None
     waiting_max: Annotated[int, Field(ge=0)] | None = None
+    prefill_tokens_max: PositiveInt | None = None
     ttft_p99_max_s: PositiveFloat | None = None
     tpot_p99_max_s: PositiveFloat | None = None
     provenance: dict[str, str | int | float | None] | None = None
@@ -134,6 +135,10 @@ class AdmissionSpec(Strict):
     kv_usage_max: Annotated[float, Field(gt=0, le=1)] | None = None  # default 0.9
     inflight_tokens_max: PositiveInt | None = None  # default: no limit beyond KV
     waiting_max: Annotated[int, Field(ge=0)] | None = None  # engine queue; default: not used
+    # Prompt tokens admitted to one engine and still without their first token: its prefill
+    # backlog, which is what TTFT waits on where prefill compute binds (a 70B model at
+    # conversation lengths). Default: not used.
+    prefill_tokens_max: PositiveInt | None = None
     # Reservations count each request's whole expected output from the start, while an engine
     # holds a request's output only as it is generated. The gateway learns by how much its
     # reservations exceed what the engine reports in use, and lets them exceed the budget by
