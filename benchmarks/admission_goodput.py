@@ -330,6 +330,7 @@ class Timeline:
                 "limit": round(pool["guard_limit_tokens"]), "guard": pool["guard_state"],
                 "reserved": pool["reserved_tokens"], "queue": pool["queue_depth"],
                 "drain": round(pool["drain_rate_tokens_s"]),
+                "p99": [pool["ttft_p99_s"], pool["tpot_p99_s"]],
                 "waiting": [(b["engine"] or {}).get("waiting") for b in d["backends"].values()],
                 "out": [b["engine_rules_out"] for b in d["backends"].values()],
                 "would": d["decision"] + "/" + d["reason"]})
@@ -342,14 +343,24 @@ def decisions(gateway_url: str) -> dict[str, int]:
     with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     out: dict[str, int] = {}
+    lag: list[tuple[float, float]] = []
     for family in text_string_to_metric_families(text):
+        if family.name == "gateway_event_loop_lag_seconds":
+            lag = [(float(s.labels["le"]), s.value) for s in family.samples
+                   if s.name.endswith("_bucket")]
         if family.name != "gateway_admission_decisions":
             continue
         for s in family.samples:
             if s.name.endswith("_total") and s.value:
                 key = f"{s.labels['decision']}/{s.labels['reason']}"
                 out[key] = out.get(key, 0) + int(s.value)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    result = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    if lag and lag[-1][1]:
+        # The gateway's own event-loop lag: a starved gateway would read as slow engines.
+        total = lag[-1][1]
+        p99 = next(le for le, c in sorted(lag) if c >= 0.99 * total)
+        result["loop_lag_p99_le_ms"] = int(1000 * p99) if p99 != float("inf") else -1
+    return result
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
