@@ -142,6 +142,9 @@ async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: P
         if sweep.steps:
             await asyncio.sleep(args.pause)
         shape = dataclasses.replace(prep.shape, rate=rate)
+        # Same lengths and arrivals, new prompt text: the engines keep earlier steps' prompts
+        # in their prefix cache, and a step served from it would look cheaper than it is.
+        builder.salt = len(sweep.steps)
         report, _ = await run_once(
             urls, model, builder, prep, args, shape,
             runner_hook=(lambda runner: hook(rate, runner)) if hook is not None else None)

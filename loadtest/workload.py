@@ -247,6 +247,9 @@ class PromptBuilder:
     force_output: bool = True        # ignore_eos + min_tokens, so the output length is the trace's
     send_hash_ids: bool = False      # also send `prefix_hash_ids` (the simulator's field)
     seed: int = 0
+    # Varies the prompt text, not the lengths: a sweep gives each step its own, so an engine's
+    # prefix cache does not serve a step the prompts an earlier step sent.
+    salt: int = 0
     _words: list[tuple[int, str]] = field(default_factory=list)
     _overhead: int = 0
     _blocks: dict[int, tuple[list[int], str]] = field(default_factory=dict)
@@ -272,13 +275,14 @@ class PromptBuilder:
 
     def _block(self, hash_id: int) -> tuple[list[int], str]:
         """The words of a shared 512-token prefix block: a pure function of its hash id."""
-        found = self._blocks.get(hash_id)
+        key = hash_id * 1_000_003 + self.seed + self.salt * 7_777_777_777
+        found = self._blocks.get(key)
         if found is None:
-            rng = random.Random(hash_id * 1_000_003 + self.seed)
+            rng = random.Random(key)
             picks = rng.choices(self._words, k=HASH_BLOCK_TOKENS)
             found = ([i for i, _ in picks], "".join(w for _, w in picks))
             if len(self._blocks) < 4096:  # bounded: 4096 blocks is ~12 MB of text
-                self._blocks[hash_id] = found
+                self._blocks[key] = found
         return found
 
     def content(self, index: int, tokens: int, hashes: Sequence[int] = ()
@@ -295,7 +299,8 @@ class PromptBuilder:
         rest = tokens - len(ids)
         if rest > 0:
             # Seeded by the request index, so two runs with one seed send the same prompts.
-            rng = random.Random(index * 7_919 + self.seed * 104_729 + 1)
+            rng = random.Random(index * 7_919 + self.seed * 104_729 + 1
+                                + self.salt * 7_777_777_777)
             picks = rng.choices(self._words, k=rest)
             ids.extend(i for i, _ in picks)
             parts.append("".join(w for _, w in picks))

@@ -64,6 +64,20 @@ def test_shared_hash_ids_share_prefix_text_and_unique_tails_differ() -> None:
     assert b.exact_count(one) == 1300
 
 
+def test_a_salt_changes_the_prompt_text_but_not_its_length() -> None:
+    """A sweep salts each step: an engine's prefix cache must not serve step 4 the prompts
+    step 3 sent (it made a 70B pool's knee look a rate step higher than fresh engines hold)."""
+    b = PromptBuilder(QWEN, "m", endpoint="completions")
+    first, n1 = b.build(3, Item(700, 8, (7,)))
+    b.salt = 1
+    second, n2 = b.build(3, Item(700, 8, (7,)))
+    assert n1 == n2 == 700 and b.exact_count(second) == 700
+    p1, p2 = orjson.loads(first.body)["prompt"], orjson.loads(second.body)["prompt"]
+    assert p1[:200] != p2[:200]  # the shared block too: each step replays the trace anew
+    b.salt = 0
+    assert orjson.loads(b.build(3, Item(700, 8, (7,)))[0].body)["prompt"] == p1
+
+
 # --- lengths and arrivals -----------------------------------------------------------------------
 
 
@@ -247,7 +261,8 @@ def test_rewrite_keeps_comments_and_layout_and_passes_the_gateway_check() -> Non
     text = "# SRE notes stay\n" + policy_yaml(["http://127.0.0.1:9"], pool_extra=(
         "    admission:\n      queue_size: 8   # small on purpose\n"))
     learned = {"kv_usage_max": 0.7, "inflight_tokens_max": 5000, "waiting_max": 2,
-               "prefill_tokens_max": 3000, "provenance": {"date": "2026-01-01", "knee_rate_rps": 4.0}}
+               "prefill_tokens_max": 3000,
+               "provenance": {"date": "2026-01-01", "knee_rate_rps": 4.0}}
     new = rewrite_policy(text, "default", learned)
     assert "# SRE notes stay" in new and "queue_size: 8   # small on purpose" in new
     assert "- {name: e0, url: \"http://127.0.0.1:9\"}" in new  # flow style and quotes kept
