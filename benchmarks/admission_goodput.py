@@ -80,7 +80,7 @@ SETUPS = {
     # layout `gateway plan` lists for it), KV from the memory ledger (470K tokens each).
     # Compute binds first: 8,192-token prefill chunks stall every decode in the step.
     "70b": Setup("70b", "llama-3.3-70b", 4, (), (2.0, 0.05),
-                 (3.0, 4.0, 5.0, 6.0, 7.0), (3.0, 5.0, 7.0),
+                 (2.0, 2.5, 3.0, 3.5, 4.0), (2.0, 3.0, 4.0),
                  "Llama-3.3-70B, 4 x H100 (TP=4) each, KV from the ledger"),
 }
 
