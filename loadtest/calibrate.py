@@ -36,7 +36,7 @@ import aiohttp
 
 from gateway.policy import PolicyError, load_policy
 from gateway.policy.loader import parse_policy
-from gateway.policy.model import Policy
+from gateway.policy.model import Learned, Policy
 from gateway.signals.engines import parse_engine_metrics
 from loadtest import __version__
 from loadtest.run_cli import (
@@ -206,9 +206,8 @@ def rewrite_policy(text: str, pool: str, learned: dict[str, Any]) -> str:
         admission = CommentedMap()
         pool_map["admission"] = admission
     block = CommentedMap()
-    for key in ("kv_usage_max", "inflight_tokens_max", "waiting_max", "prefill_tokens_max",
-                "ttft_p99_max_s", "tpot_p99_max_s"):
-        if key in learned:
+    for key in Learned.model_fields:  # the gateway's own order; provenance comes last
+        if key != "provenance" and key in learned:
             block[key] = learned[key]
     prov = CommentedMap()
     for key, value in learned.get("provenance", {}).items():

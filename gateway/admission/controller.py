@@ -241,6 +241,14 @@ class Admission:
         return limit is not None and pending > 0 and \
             pending + prompt_tokens > limit / max(1, self.replicas)
 
+    def _ruled_out(self, ps: PoolState, backend: str, prompt_tokens: int) -> str | None:
+        """Why `backend` takes no request of `prompt_tokens` now: the engine's own report, or
+        its prefill backlog; None when neither rules it out."""
+        full = self._engine_full(ps, backend)
+        if full is None and self._prefill_full(ps, backend, prompt_tokens):
+            return "prefill_tokens"
+        return full
+
     def prefill_done(self, ticket: Ticket) -> None:
         """The first byte came back (or the request ended): its prompt is prefilled."""
         if ticket.prefill:
@@ -342,9 +350,7 @@ class Admission:
                         - ps.reserved.get(b.name, 0), reverse=True)
         reason = "kv_blocks"
         for backend in scored:
-            full = self._engine_full(ps, backend.name)
-            if full is None and self._prefill_full(ps, backend.name, ask.prompt_tokens):
-                full = "prefill_tokens"
+            full = self._ruled_out(ps, backend.name, ask.prompt_tokens)
             if full is not None:
                 reason = full
                 continue
@@ -424,12 +430,10 @@ class Admission:
                     "kv_usage": sample.kv_usage, "waiting": sample.waiting,
                     "running": sample.running, "age_s": round(now - sample.at, 3)},
                 "engine_rules_out": self._engine_full(ps, b.name)}
-            full = self._engine_full(ps, b.name)
-            if full is None and self._prefill_full(ps, b.name, ask.prompt_tokens):
-                full = "prefill_tokens"
+            full = self._ruled_out(ps, b.name, ask.prompt_tokens)
             if b.available(now) and full is not None:
                 ruled_out = full
-            if b.available(now) and full is None:
+            elif b.available(now):
                 headroom = limit - reserved
                 if best is None or headroom > best[0]:
                     best = (headroom, b.name)

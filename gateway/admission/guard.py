@@ -7,10 +7,10 @@ windows and judges the new limit only by the requests it admits, so one slow per
 punished once, not for as long as it stays in a window. While both are under, the limit grows
 by `INCREASE` of the ceiling per tick (additive: a limit cut deep by a start-up burst is back
 in seconds, not in the minute that growing by a share of itself takes), but only while it
-binds (the tokens in flight are near it): a
-limit that grew during a lull would let the next burst in whole (the rule RFC 7661 gives TCP
-for windows it is not using). So admission adapts between calibrations, before engines preempt,
-and holds a pool where its latency SLOs are met."""
+binds (the tokens in flight are near it): a limit that grew during a lull would let the next
+burst in whole (the rule RFC 7661 gives TCP for windows it is not using). So admission adapts
+between calibrations, before engines preempt, and holds a pool where its latency SLOs are
+met."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ neither, the default applies. `/admin/state` and `/gateway/estimate` show the so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from gateway.policy.model import PoolSpec
@@ -33,13 +33,8 @@ class Thresholds:
     tpot_p99_max_s: Threshold
 
     def as_dict(self) -> dict[str, dict[str, float | str | None]]:
-        return {name: {"value": t.value, "source": t.source}
-                for name, t in (("kv_usage_max", self.kv_usage_max),
-                                ("inflight_tokens_max", self.inflight_tokens_max),
-                                ("waiting_max", self.waiting_max),
-                                ("prefill_tokens_max", self.prefill_tokens_max),
-                                ("ttft_p99_max_s", self.ttft_p99_max_s),
-                                ("tpot_p99_max_s", self.tpot_p99_max_s))}
+        return {f.name: {"value": t.value, "source": t.source}
+                for f in fields(self) for t in (getattr(self, f.name),)}
 
 
 def _pick(mine: float | None, learned: float | None, default: float | None) -> Threshold:
