@@ -377,3 +377,17 @@ def test_prefill_backlog_holds_prompts_until_first_tokens_come_back() -> None:
         assert adm.metrics.prefill_tokens_pending.labels("default", "a")._value.get() == 0
 
     asyncio.run(go())
+
+
+def test_a_full_prefill_backlog_without_queue_room_says_so() -> None:
+    async def go() -> None:
+        adm, _, _ = make(POLICY.replace("queue_size: 2, queue_wait_max_s: 5}",
+                                        "queue_size: 0, prefill_tokens_max: 1000}"))
+        first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+        with pytest.raises(Overloaded) as err:
+            await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+        assert err.value.headers["x-gateway-reason"] == "prefill_tokens"
+        assert "prefill backlog is at the limit" in str(err.value)
+        await adm.release(first)
+
+    asyncio.run(go())

@@ -72,6 +72,8 @@ def test_good_policy_summary(tmp_path: Path) -> None:
       "num_attention_heads: 60, num_kv_heads: 8, head_dim: 128, params: 7.0e10}"),
      "models[0].architecture.num_attention_heads", "divisible by num_kv_heads"),
     (("{name: l0,", "{name: l1,"), "pools.long.backends", "unique"),
+    (("max_model_len: 32768", "max_model_len: 32768\n    admission: {prefill_tokens_max: 0}"),
+     "pools.default.admission.prefill_tokens_max", "greater than 0"),
     (("  default:\n    models", "  default:\n    engine: tgi\n    models"),
      "pools.default.engine", "'vllm', 'sglang' or 'openai'"),
 ])
