@@ -4,8 +4,10 @@ Part A (Azure 2023 conversation trace lengths, Poisson arrivals), on two simulat
 one profile (`--engine`: `8b`, a small engine whose KV cache binds first, or `70b`, the
 reference 70B model on 8 x H100 as two TP=4 replicas, where prefill compute binds first):
 `loadtest calibrate` sweeps the engines directly, as an SRE would, to find the knee (the
-highest rate keeping 95% SLO attainment) and write the pool's learned thresholds; then, at
-twice the knee's rate, on fresh engines each:
+highest rate keeping 95% SLO attainment) and write the pool's learned thresholds, and to
+measure their saturation rate (the most requests per second any step was served: past it
+throughput stops following the offer); then, at twice the saturation rate, on fresh engines
+each:
   (a) direct to the engines (round robin, no protection),
   (b) through the gateway (KV reservations, the calibrated thresholds, fair queue, early
       rejection, latency guard),
@@ -74,13 +76,13 @@ SETUPS = {
     # A small engine made slow: 8B on one H100 with KV for ~24K tokens. The KV cache binds
     # first; decode barely slows with the batch (it reads 16 GB of weights per step anyway).
     "8b": Setup("8b", "llama-3-8b", 1, ("--num-gpu-blocks", "1536"), (2.0, 0.025),
-                (2.0, 2.5, 3.0, 3.5), (2.0, 3.0),
+                (2.0, 2.5, 3.0, 3.5, 4.0, 5.0), (2.0, 3.0, 5.0),
                 "Llama-3-8B, 1 x H100 each, KV cut to 1,536 blocks"),
     # The reference deployment: a 70B GQA model on 8 x H100, as two TP=4 replicas (the
     # layout `gateway plan` lists for it), KV from the memory ledger (470K tokens each).
     # Compute binds first: 8,192-token prefill chunks stall every decode in the step.
     "70b": Setup("70b", "llama-3.3-70b", 4, (), (2.0, 0.05),
-                 (2.0, 2.5, 3.0, 3.5, 4.0), (2.0, 3.0, 4.0),
+                 (2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0), (2.0, 3.0, 6.0, 8.0),
                  "Llama-3.3-70B, 4 x H100 (TP=4) each, KV from the ledger"),
 }
 
@@ -218,13 +220,15 @@ def calibrate(setup: Setup, rates: tuple[float, ...], duration: float, admission
     sweep = json.loads(out.read_text())
     learned = yaml.safe_load(policy.read_text())["pools"]["default"]["admission"]["learned"]
     return {"steps": [{"rate": st["offered"], **{k: st["report"].get(k) for k in (
-                "request_goodput", "request_throughput", "slo_attainment_pct", "p99_ttft_ms",
-                "p99_tpot_ms")}} for st in sweep["steps"]],
-            "knee_rate": sweep["sweep"]["knee_rate"], "learned": learned}
+                "request_goodput", "request_throughput", "served_rate", "slo_attainment_pct",
+                "p99_ttft_ms", "p99_tpot_ms")}} for st in sweep["steps"]],
+            "knee_rate": sweep["sweep"]["knee_rate"],
+            "saturation_rate": sweep["sweep"]["saturation_rate"],
+            "saturated": sweep["sweep"]["saturated"], "learned": learned}
 
 
 def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = None,
-           only: str = "abc", load: float = 2.0) -> dict[str, Any]:
+           only: str = "abc", load: float = 2.0, basis: str = "saturation") -> dict[str, Any]:
     duration = 30.0 if quick else 60.0
     wall_slo = slo(setup)
     results: dict[str, Any] = {"engine": setup.note, "slo": wall_slo, "slo_real": setup.slo_real}
@@ -248,12 +252,23 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
     # missing it for more than the target allows; the best step is reported beside it.
     best = max(cal["steps"], key=lambda s: s["request_goodput"] or 0)
     knee = next(s for s in cal["steps"] if s["rate"] == cal["knee_rate"])
-    overload = load * cal["knee_rate"]
+    # The goal's load is twice the engines' saturation rate: where their throughput stops
+    # following the offer (the most any sweep step was served). The knee, where attainment
+    # starts to drop, lies well below it on a prefill-bound engine; `--basis knee` runs there.
+    if basis == "saturation":
+        if not cal.get("saturated"):
+            raise SystemExit("calibration did not reach saturation: add higher rates")
+        base = cal["saturation_rate"]
+    else:
+        base = cal["knee_rate"]
+    overload = round(load * base, 2)
     results.update(peak_goodput=knee["request_goodput"], best_step_goodput=best["request_goodput"],
-                   knee_rate=cal["knee_rate"], overload_rate=overload)
+                   knee_rate=cal["knee_rate"], saturation_rate=cal.get("saturation_rate"),
+                   basis=basis, load=load, overload_rate=overload)
     print(f"  knee at {cal['knee_rate']:g}/s, goodput there {knee['request_goodput']:.2f}/s "
-          f"(best step {best['rate']:g}/s: {best['request_goodput']:.2f}/s); "
-          f"overload = {overload:g}/s; learned: "
+          f"(best step {best['rate']:g}/s: {best['request_goodput']:.2f}/s); saturation "
+          f"{cal.get('saturation_rate') or 0:.2f}/s; overload = {load:g} x {basis} = "
+          f"{overload:g}/s; learned: "
           + ", ".join(f"{k} {v}" for k, v in cal["learned"].items() if k != "provenance"),
           flush=True)
     reserve = admission + f"      learned: {json.dumps(cal['learned'])}\n"
@@ -447,7 +462,10 @@ def main() -> int:
     ap.add_argument("--only", default="abc", metavar="CONFIGS",
                     help="part A's configurations to run, e.g. `b` (default abc)")
     ap.add_argument("--load", type=float, default=2.0, metavar="X",
-                    help="part A's rate as a multiple of the knee's (default 2: the goal's)")
+                    help="part A's rate as a multiple of --basis (default 2: the goal's)")
+    ap.add_argument("--basis", choices=("saturation", "knee"), default="saturation",
+                    help="what --load multiplies: the engines' saturation rate (the goal's, "
+                         "default) or the knee's")
     args = ap.parse_args()
     for trace in (AZURE, MOONCAKE):
         if not trace.exists():
@@ -460,7 +478,7 @@ def main() -> int:
             reuse = json.loads(Path(args.reuse).read_text())["a"]["calibration"] \
                 if args.reuse else None
             out["a"] = part_a(tmp, args.quick, SETUPS[args.engine], reuse, args.only,
-                              args.load)
+                              args.load, args.basis)
             print("\n" + HEADER)
             for name, r in out["a"]["runs"].items():
                 print(row(name, r))

@@ -51,7 +51,14 @@ from loadtest.run_cli import (
 )
 from loadtest.runner import Runner, resolve_model
 from loadtest.stats import percentile
-from loadtest.sweep import Sweep, add_sweep_options, parse_rates, run_sweep, summary
+from loadtest.sweep import (
+    Sweep,
+    add_sweep_options,
+    parse_rates,
+    run_sweep,
+    saturation_line,
+    summary,
+)
 
 WARMUP_SHARE = 0.25  # of a step's samples, dropped: the engine is still filling up
 STATISTICS = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "max": 100.0}
@@ -174,6 +181,9 @@ def provenance(sweep: Sweep, knee_state: dict[str, Any], args: argparse.Namespac
         "slo": args.slo,
         "target_attainment_pct": sweep.target_pct,
         "knee_rate_rps": sweep.knee,
+        # Where throughput stopped following the offer; "at least" when no step fell behind.
+        "saturation_rate_rps": _round(sweep.saturation),
+        "saturation_reached": "yes" if sweep.saturated else "no (a lower bound)",
         "step_duration_s": args.duration,
         "engines": engines,
         "statistic": stat,
@@ -328,6 +338,7 @@ async def _run(args: argparse.Namespace) -> int:
 
         plot_sweep(sorted(sweep.steps, key=lambda s: float(s["offered"])), sweep.knee,
                    args.plot, f"calibrate {args.pool} - {prep.workload.source} - SLO {args.slo}")
+    print(saturation_line(sweep))
     knee = sweep.knee_step()
     if knee is None:
         note("no knee: even the lowest rate missed the SLO attainment target; nothing learned. "

@@ -188,6 +188,24 @@ def noise(samples: Sequence[Sample], duration_s: float, slo: Mapping[str, float]
     return out
 
 
+def served_rate(samples: Sequence[Sample]) -> float | None:
+    """Requests per second the target began to answer (first token) over the second half of
+    the sending window: the offered rate while the target keeps up, its capacity once the
+    offer exceeds it (the rest waits in a queue or is refused). The second half, because an
+    empty engine takes its first requests faster than it can sustain. A first token is when a
+    request got its prefill and a place in the batch: in a steady state as many start as end,
+    and starts come seconds after sending, where completions come a whole request later."""
+    if len(samples) < 8:
+        return None
+    end = max(s.result.start_s for s in samples)
+    half = end / 2.0
+    if end - half <= 0:
+        return None
+    started = sum(1 for s in samples if s.result.ttft_s is not None
+                  and half <= s.result.start_s + s.result.ttft_s <= end)
+    return started / (end - half)
+
+
 def figures(samples: Sequence[Sample], duration_s: float, slo: Mapping[str, float],
             with_noise: bool = True) -> dict[str, Any]:
     """The report's figures (no configuration), under vLLM's names where vLLM has one."""
@@ -226,6 +244,7 @@ def figures(samples: Sequence[Sample], duration_s: float, slo: Mapping[str, floa
         "slo_attainment_completed_pct": 100.0 * good / len(ok) if slo and ok else None,
         "retry_after_median_s": percentile_sorted(retry, 50) if retry else None,
         "max_chunk_gap_ms": max((s.result.max_gap_s for s in ok), default=0.0) * 1000.0,
+        "served_rate": served_rate(samples),
     }
     out.update(latency_figures(samples))
     if with_noise:

@@ -38,6 +38,10 @@ from loadtest.runner import Runner, resolve_model
 from loadtest.workload import PromptBuilder
 
 DEFAULT_TARGET = 99.0
+# A step whose target began to serve less than this share of the offered rate fell behind:
+# the offer exceeded its capacity. Poisson counting noise over half a minute's sends is a few
+# percent, so a step that keeps up does not read under it by chance.
+FELL_BEHIND = 0.85
 StepHook = Callable[[float, Runner], "asyncio.Task[Any] | None"]
 
 
@@ -98,6 +102,25 @@ class Sweep:
             best = float(step["offered"])
         return best
 
+    @property
+    def saturation(self) -> float | None:
+        """The most requests per second the target was seen to start serving (a step's
+        `served_rate`): its capacity, the rate where throughput stops following the offer,
+        when some step fell behind (`saturated`); else only a lower bound. Past saturation a
+        vLLM-like engine serves less, not the same: its KV cache fills, it preempts and
+        recomputes, so the highest step is not the measure; the best step is. A step counts
+        at most its offered rate: a burst of arrivals in a step's second half reads above the
+        offer, and that is luck, not capacity."""
+        rates = [min(float(r), float(s["offered"])) for s in self.steps
+                 if (r := s["report"].get("served_rate"))]
+        return max(rates) if rates else None
+
+    @property
+    def saturated(self) -> bool:
+        """Did some step offer more than the target could start serving?"""
+        return any((r := s["report"].get("served_rate")) is not None
+                   and r < FELL_BEHIND * float(s["offered"]) for s in self.steps)
+
     def knee_step(self) -> dict[str, Any] | None:
         knee = self.knee
         return next((s for s in self.steps if s["offered"] == knee), None)
@@ -115,15 +138,17 @@ def step_line(step: dict[str, Any]) -> str:
     r = step["report"]
     cost = (f" {_fmt(r.get('cost_per_million_goodput_tokens'), 3):>12}" if "cost" in r
             else "")
-    return (f"{step['offered']:>8g} {r['sent']:>6} {_fmt(r['request_throughput'], 2):>8} "
+    return (f"{step['offered']:>8g} {r['sent']:>6} {_fmt(r.get('served_rate'), 2):>7} "
+            f"{_fmt(r['request_throughput'], 2):>8} "
             f"{_fmt(r['request_goodput'], 2):>8} {_fmt(r['slo_attainment_pct']):>7} "
             f"{_fmt(r['median_ttft_ms']):>9} {_fmt(r['p99_ttft_ms']):>9} "
             f"{_fmt(r['median_tpot_ms']):>8} {_fmt(r['p99_tpot_ms']):>8} "
             f"{_fmt(r['rejection_rate_pct']):>6} {_fmt(r['error_rate_pct']):>6}{cost}")
 
 
-HEADER = (f"{'rate':>8} {'sent':>6} {'req/s':>8} {'goodput':>8} {'SLO%':>7} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'TPOT p50':>8} {'TPOT p99':>8} {'rej%':>6} {'err%':>6}")
+HEADER = (f"{'rate':>8} {'sent':>6} {'served':>7} {'req/s':>8} {'goodput':>8} {'SLO%':>7} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>8} {'TPOT p99':>8} {'rej%':>6} "
+          f"{'err%':>6}")
 
 
 def header(currency: str | None) -> str:
@@ -186,7 +211,8 @@ async def run_sweep(urls: list[str], model: str, builder: PromptBuilder, prep: P
 
 def summary(sweep: Sweep, prep: Prepared, args: argparse.Namespace) -> dict[str, Any]:
     head: dict[str, Any] = {
-        "target_attainment_pct": sweep.target_pct, "knee_rate": sweep.knee, "slo": args.slo,
+        "target_attainment_pct": sweep.target_pct, "knee_rate": sweep.knee,
+        "saturation_rate": sweep.saturation, "saturated": sweep.saturated, "slo": args.slo,
         "workload": prep.workload.source, "arrival": prep.shape.arrival.describe(),
         "duration_s": args.duration, "rates": [s["offered"] for s in sweep.steps]}
     if prep.pricing is not None:
@@ -196,6 +222,17 @@ def summary(sweep: Sweep, prep: Prepared, args: argparse.Namespace) -> dict[str,
         head["cheapest_cost_per_million_goodput_tokens"] = (
             best["report"]["cost_per_million_goodput_tokens"] if best is not None else None)
     return {"sweep": head, "steps": sorted(sweep.steps, key=lambda s: float(s["offered"]))}
+
+
+def saturation_line(sweep: Sweep) -> str:
+    sat = sweep.saturation
+    if sat is None:
+        return "saturation: unknown (no step lasted long enough to measure)"
+    if not sweep.saturated:
+        return (f"saturation: at least {sat:.2f} req/s (every step was served as offered; add "
+                "higher rates to find where throughput stops following the load)")
+    return (f"saturation: {sat:.2f} req/s (the most any step was served; a step offering more "
+            "fell behind)")
 
 
 def cheapest_line(sweep: Sweep, currency: str) -> str:
@@ -234,6 +271,7 @@ async def _run(args: argparse.Namespace) -> int:
         if not sweep.bounded:
             note(f"every rate kept the SLOs: the knee is at least {knee:g} req/s; add higher "
                  "rates to find it")
+    print(saturation_line(sweep))
     if prep.pricing is not None:
         print(cheapest_line(sweep, prep.pricing.currency))
     if args.out:

@@ -19,7 +19,8 @@ from gateway.policy.loader import parse_policy
 from loadtest.calibrate import StateSample, learned_values, rewrite_policy, state_summary
 from loadtest.client import RequestResult, Usage
 from loadtest.gate import GateError, compare, parse_allowances
-from loadtest.report import Sample, SloError, figures, parse_slo
+from loadtest.report import Sample, SloError, figures, parse_slo, served_rate
+from loadtest.sweep import Sweep, saturation_line
 from loadtest.workload import (
     Arrival,
     Item,
@@ -179,6 +180,46 @@ def test_figures_follow_vllm_definitions_and_count_rejections_apart() -> None:
     assert f["retry_after_median_s"] == 2.0
     assert f["p99_ttft_ms"] >= f["median_ttft_ms"]
     assert f["total_output_tokens"] == 110 and f["output_throughput"] == pytest.approx(11.0)
+
+
+def _started(start: float, ttft: float | None) -> Sample:
+    status = 200 if ttft is not None else 503
+    r = _result(status, ttft, (ttft or 0.0) + 1.0, 11 if ttft is not None else 0)
+    return Sample(0, 100, 11, RequestResult(**{**{f: getattr(r, f) for f in r.__slots__},
+                                                "start_s": start}))
+
+
+def test_served_rate_counts_first_tokens_in_the_second_half_of_the_sending_window() -> None:
+    # One send a second for 60 s. A target that keeps up starts each at once: 1/s.
+    assert served_rate([_started(t, 0.5) for t in range(61)]) == pytest.approx(1.0)
+    # One that takes 1 in 4 (the rest refused or still waiting) serves a quarter of the offer;
+    # its early first tokens do not count, only the second half's.
+    mixed = [_started(t, 0.5 if t % 4 == 0 or t < 30 else None) for t in range(61)]
+    assert served_rate(mixed) == pytest.approx(7 / 30)  # sends 32, 36 .. 56
+    # A first token after the last send is past the window: a backlog served late is not
+    # capacity within it.
+    assert served_rate([_started(t, 100.0) for t in range(61)]) == 0.0
+    assert served_rate([_started(0, 0.5)] * 3) is None  # too few to say
+
+
+def _sweep_step(offered: float, served: float | None, attainment: float = 100.0
+                ) -> dict[str, object]:
+    return {"offered": offered, "report": {"served_rate": served,
+                                           "slo_attainment_pct": attainment}}
+
+
+def test_sweep_saturation_is_the_most_served_and_needs_a_step_that_fell_behind() -> None:
+    # Past saturation a vLLM-like engine serves less (preemption), so the best step counts.
+    sweep = Sweep(95.0, [_sweep_step(2, 2.0), _sweep_step(6, 5.8, 50), _sweep_step(8, 3.0, 0)])
+    assert sweep.saturation == pytest.approx(5.8) and sweep.saturated
+    assert saturation_line(sweep).startswith("saturation: 5.80 req/s")
+    kept_up = Sweep(95.0, [_sweep_step(2, 2.0), _sweep_step(4, 3.9)])
+    assert kept_up.saturation == pytest.approx(3.9) and not kept_up.saturated
+    assert "at least 3.90" in saturation_line(kept_up)
+    # A step counts at most its offer: arrivals bunched in its second half read above it.
+    lucky = Sweep(95.0, [_sweep_step(6, 6.8), _sweep_step(8, 3.0, 0)])
+    assert lucky.saturation == pytest.approx(6.0) and lucky.saturated
+    assert Sweep(95.0, [_sweep_step(2, None)]).saturation is None
 
 
 # --- the gate -----------------------------------------------------------------------------------
