@@ -164,6 +164,15 @@ def test_sweep_knee_moves_when_engine_capacity_halves(start_sim: StartSim,
     steps = half_sweep["steps"]
     assert [s["offered"] for s in steps] == [2.5, 5.0, 10.0]
     assert steps[-1]["report"]["slo_attainment_pct"] < 90
+    # Throughput stops following the offer: the half engine serves (first tokens) well under
+    # 10 req/s at that step, and the sweep names the most it served as its saturation rate.
+    full_sweep = json.loads(outs[0].read_text())
+    assert half_sweep["sweep"]["saturated"] is True
+    assert half_sweep["sweep"]["saturation_rate"] == max(
+        min(s["report"]["served_rate"], s["offered"]) for s in steps
+        if s["report"]["served_rate"] is not None)  # 6 sends at 2.5 req/s: too few to say
+    assert half_sweep["sweep"]["saturation_rate"] < full_sweep["sweep"]["saturation_rate"]
+    assert "saturation: " in results[1].stdout
     # Priced: every step carries its cost, and the cheapest load is the passing step (at or
     # below the knee) with the lowest cost per million goodput tokens.
     passing = [s for s in steps if s["offered"] <= knee_half]
@@ -211,6 +220,8 @@ def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
             text = policy.read_text()
             assert text.startswith("# the SRE's own comment\n")
             assert "queue_size: 0   # reject, never wait" in text
+            # Provenance says where throughput stopped following the offer, for planners.
+            assert "saturation_rate_rps:" in text and "saturation_reached:" in text
             check = subprocess.run(gateway_cmd("check", str(policy)), capture_output=True,
                                    text=True, timeout=30)
             assert check.returncode == 0, check.stderr
