@@ -1,16 +1,22 @@
 """One structured line per request, written off the event loop.
 
-Lines go through a QueueHandler to a listener thread, so a slow terminal or disk never stalls
-the streams. Prompt text is never logged; only ids, routing, status, token counts and timings.
+Records wait in a deque (an append is atomic under the GIL: no lock, no wake-up) and one
+writer thread drains it every FLUSH_S, all waiting lines in one write. A slow terminal or disk
+never stalls the streams, and the loop pays no thread hand-off per request: with a queue and
+a listener thread, every record woke the listener, a GIL hand-off taken from the event loop
+(py-spy, 100 streams: 12% of the gateway's samples sat in the access log, most in
+`QueueHandler.enqueue`). Prompt text is never logged; only ids, routing, status, token counts
+and timings.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
-import logging.handlers
-import queue
 import sys
+import threading
+from typing import TextIO
 
 import orjson
 
@@ -18,17 +24,78 @@ from gateway.proxy import Exchange
 
 access = logging.getLogger("gateway.access")
 
+FLUSH_S = 0.05  # how late a line may reach the log; 20 writes a second at most
+
+
+class BatchingHandler(logging.Handler):
+    """Collects records on any thread; one writer thread formats and writes them in batches.
+
+    The thread is started and stopped apart from the handler's `close()`, as QueueListener's
+    is: uvicorn applies its logging config at start-up, and `logging.config.dictConfig` closes
+    every handler it finds, ours included."""
+
+    def __init__(self, stream: TextIO, interval: float = FLUSH_S) -> None:
+        super().__init__()
+        self._records: collections.deque[logging.LogRecord] = collections.deque()
+        self._stream = stream
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-log-writer",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is waiting and end the thread (at exit)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self.drain()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.args or record.exc_info:
+            # Render now what could change or die before the writer runs (QueueHandler's
+            # prepare does the same); access lines are ready-made strings and skip this.
+            try:
+                record.msg = self.format(record)
+            except Exception:
+                self.handleError(record)
+                return
+            record.args, record.exc_info, record.exc_text = None, None, None
+        self._records.append(record)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.drain()
+        self.drain()
+
+    def drain(self) -> None:
+        """Write every waiting record now (the writer thread calls it; so may a test)."""
+        records, lines = self._records, []
+        while records:
+            record = records.popleft()
+            try:
+                lines.append(self.format(record))
+            except Exception:
+                self.handleError(record)
+        if not lines:
+            return
+        try:
+            self._stream.write("\n".join(lines) + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):  # stderr closed or gone: losing lines beats dying
+            pass
+
 
 def configure_logging(level: str = "info") -> None:
-    """Route all gateway logs through one queue; the listener thread does the writing."""
-    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(logging.Formatter("%(message)s"))
-    listener = logging.handlers.QueueListener(q, stream, respect_handler_level=False)
-    listener.start()
-    atexit.register(listener.stop)
+    """Route all gateway logs through one batching handler; its thread does the writing."""
+    handler = BatchingHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.start()
+    atexit.register(handler.stop)
     root = logging.getLogger("gateway")
-    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
 
