@@ -112,7 +112,7 @@ class Sweep:
         at most its offered rate: a burst of arrivals in a step's second half reads above the
         offer, and that is luck, not capacity."""
         rates = [min(float(r), float(s["offered"])) for s in self.steps
-                 if (r := s["report"].get("served_rate"))]
+                 if (r := s["report"].get("served_rate")) is not None]
         return max(rates) if rates else None
 
     @property

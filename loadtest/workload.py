@@ -28,6 +28,9 @@ from loadtest.client import RequestSpec, chat_request, completion_request
 Endpoint = Literal["chat", "completions"]
 ARRIVALS = ("poisson", "gamma:CV", "constant", "trace")
 HASH_BLOCK_TOKENS = 512      # Mooncake's hash_ids each stand for 512 prompt tokens
+# A salt moves every seed this far: past any request index or hash id a trace holds, so no
+# salted prompt or prefix block falls on an unsalted one.
+SALT_STRIDE = 7_777_777_777
 VOCAB_WORDS = 2048           # one-token words to draw from; the most frequent ones
 _WORD = re.compile(r" [a-z]{3,9}")
 _DEFAULT_PROMPT_TOKENS = 512
@@ -275,7 +278,7 @@ class PromptBuilder:
 
     def _block(self, hash_id: int) -> tuple[list[int], str]:
         """The words of a shared 512-token prefix block: a pure function of its hash id."""
-        key = hash_id * 1_000_003 + self.seed + self.salt * 7_777_777_777
+        key = hash_id * 1_000_003 + self.seed + self.salt * SALT_STRIDE
         found = self._blocks.get(key)
         if found is None:
             rng = random.Random(key)
@@ -300,7 +303,7 @@ class PromptBuilder:
         if rest > 0:
             # Seeded by the request index, so two runs with one seed send the same prompts.
             rng = random.Random(index * 7_919 + self.seed * 104_729 + 1
-                                + self.salt * 7_777_777_777)
+                                + self.salt * SALT_STRIDE)
             picks = rng.choices(self._words, k=rest)
             ids.extend(i for i, _ in picks)
             parts.append("".join(w for _, w in picks))

@@ -33,8 +33,11 @@ class Thresholds:
     tpot_p99_max_s: Threshold
 
     def as_dict(self) -> dict[str, dict[str, float | str | None]]:
-        return {f.name: {"value": t.value, "source": t.source}
-                for f in fields(self) for t in (getattr(self, f.name),)}
+        out: dict[str, dict[str, float | str | None]] = {}
+        for f in fields(self):
+            t: Threshold = getattr(self, f.name)
+            out[f.name] = {"value": t.value, "source": t.source}
+        return out
 
 
 def _pick(mine: float | None, learned: float | None, default: float | None) -> Threshold:
