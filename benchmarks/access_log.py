@@ -25,7 +25,7 @@ from typing import TextIO
 
 import orjson
 
-from gateway.accesslog import BatchingHandler
+from gateway.observe.accesslog import BatchingHandler
 
 LINE = orjson.dumps({"event": "request", "id": "3f2a9c", "endpoint": "chat", "model": "m",
                      "pool": "default", "backend": "e0", "status": 200, "stream": True,

@@ -39,7 +39,7 @@ from gateway.api import admin, ops
 from gateway.api.estimate import estimate_endpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.protocol import error_body
 from gateway.runtime import Runtime, build_runtime, load_counters, make_session

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import BackendSpec, Policy, PoolSpec
 
 log = logging.getLogger("gateway.backends")

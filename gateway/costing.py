@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate, openai_messages
+from gateway.errors import InvalidRequest
 from gateway.policy import ModelSpec
 from gateway.profiles import ModelProfile, get_model
-from gateway.protocol import ChatCompletionRequest, InvalidRequest, ParsedRequest
+from gateway.protocol import ChatCompletionRequest, ParsedRequest
 from gateway.routing import Route
 from gateway.runtime import Runtime
 

@@ -2,9 +2,10 @@
 
 The planner's ledger says what fits; this module says how fast a layout serves the load and what
 its tokens then cost. It prices tokens the way the gateway does at run time
-(`gateway/accounting.py`, docs/cost.md): the deployment costs GPUs x price per GPU-hour, busy or
-idle, and that spend is split between input and output tokens by `--input-share` or by the
-estimated GPU time of prefill against decode, with the same efficiency constants.
+(`gateway/observe/accounting.py`, docs/cost.md): the deployment costs GPUs x price per
+GPU-hour, busy or idle, and that spend is split between input and output tokens by
+`--input-share` or by the estimated GPU time of prefill against decode, with the same
+efficiency constants.
 
 The roofline, per replica of TP ranks:
   prefill of one request  P    = prefill FLOPs / (peak x TP x PREFILL_EFFICIENCY)
@@ -26,8 +27,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.accounting import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
 from gateway.cost.traces import TraceRequest
+from gateway.observe.accounting import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
 from gateway.profiles import GpuProfile, ModelProfile, ProfileError, blocks_for
 
 # Per decode step, beyond the HBM reads: kernel launches, sampling, the TP all-reduces' latency.
@@ -243,7 +244,7 @@ def price(cm: CostModel, gpus: int, tput: Throughput | None, holds: bool = True,
     share = cm.input_share
     if share is None:
         # Replica time per request: its prefill against its decode steps, each step shared by
-        # the batch it runs in (the gateway's own split, gateway/accounting.py).
+        # the batch it runs in (the gateway's own split, gateway/observe/accounting.py).
         out = tput.output_tokens_s / tput.requests_s if tput.requests_s else 0.0
         decode = out * tput.step_s / max(tput.batch_per_replica, 1.0)
         busy = tput.prefill_s + decode

@@ -1,19 +1,9 @@
-"""The OpenAI wire shapes the gateway reads and writes, and its error tree.
+"""The OpenAI wire shapes the gateway reads and writes: request bodies and error bodies.
 
-Errors a caller can cause, or that the gateway decides, are `GatewayError`s. Each renders as
-OpenAI's error body `{"error": {"message", "type", "param", "code"}}` so that the official SDK
-raises the matching exception class (`BadRequestError`, `NotFoundError`, ...):
-
-    GatewayError
-      +-- InvalidRequest            400 invalid_request_error (bad JSON, schema, context length)
-      +-- ModelNotFound             404 invalid_request_error / model_not_found
-      +-- BodyTooLarge              413 invalid_request_error / request_too_large
-      +-- RequestTimeout            408 invalid_request_error / request_timeout (body trickled)
-      +-- NoBackendAvailable        503 service_unavailable / no_healthy_backend
-      +-- UpstreamError             502 upstream_error (connect failures on every backend, 5xx)
-
-Request bodies are validated only as far as the gateway needs them (model, messages or prompt,
-stream, token limits); unknown OpenAI fields pass through untouched, as vLLM's models allow.
+The errors themselves are gateway/errors.py's; this module only knows the body they render to
+(`{"error": {"message", "type", "param", "code"}}`). Request bodies are validated only as far
+as the gateway needs them (model, messages or prompt, stream, token limits); unknown OpenAI
+fields pass through untouched, as vLLM's models allow.
 """
 
 from __future__ import annotations
@@ -23,58 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-
-class GatewayError(Exception):
-    status: int = 500
-    type: str = "server_error"
-    code: str | None = None
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-class InvalidRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
-
-
-class ModelNotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
-
-
-class BodyTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
-
-
-class RequestTimeout(GatewayError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class NoBackendAvailable(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "no_healthy_backend"
-
-
-class UpstreamError(GatewayError):
-    status = 502
-    type = "upstream_error"
-    code = "upstream_error"
+from gateway.errors import InvalidRequest
 
 
 def error_body(message: str, type_: str, param: str | None = None,

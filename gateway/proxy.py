@@ -22,7 +22,8 @@ import orjson
 from starlette.types import Send
 
 from gateway.backends import Backend
-from gateway.protocol import GatewayError, NoBackendAvailable, UpstreamError, sse_error_frame
+from gateway.errors import GatewayError, NoBackendAvailable, UpstreamError
+from gateway.protocol import sse_error_frame
 from gateway.routing import Router
 
 _USAGE_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -113,7 +114,7 @@ class Forwarder:
                 backend.outstanding -= 1
         if ex.attempts == 0:
             raise NoBackendAvailable(f"No healthy backend in pool `{ex.pool}`.",
-                                     headers={"retry-after": "1"})
+                                     retry_after_s=1)
         raise UpstreamError(
             f"Could not reach any backend of pool `{ex.pool}` "
             f"({ex.attempts} tried; last: {last_error}).")
@@ -148,7 +149,7 @@ class Forwarder:
             self.backends.record_failure(backend, "status_5xx", f"HTTP {resp.status}")
             raise UpstreamError(
                 f"The engine `{backend.name}` failed with HTTP {resp.status}: "
-                f"{_error_message(body)}", headers={"x-gateway-backend": backend.name})
+                f"{_error_message(body)}", backend=backend.name)
         if resp.status != 200 or not ex.stream:
             body = await self._read_body(ex, backend, resp)
             if resp.status == 200:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends import Backend, Backends
+from gateway.errors import InvalidRequest, ModelNotFound, NoBackendAvailable
 from gateway.policy import ModelSpec, Policy
-from gateway.protocol import InvalidRequest, ModelNotFound, NoBackendAvailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class Router:
         raise NoBackendAvailable(
             f"No healthy backend for the model `{model.name}` at {prompt_tokens} prompt "
             f"tokens ({down}).",
-            headers={"retry-after": str(max(1, int(self.policy.health.probe_interval_s)))})
+            retry_after_s=max(1, int(self.policy.health.probe_interval_s)))
 
     def _in_range(self, pool: str, prompt_tokens: int) -> bool:
         spec = self.policy.pools[pool]

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 import aiohttp
 from starlette.requests import Request
 
-from gateway.accounting import Accountant
 from gateway.admission.controller import Admission
+from gateway.auth import Tenants
 from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
-from gateway.metrics import GatewayMetrics
+from gateway.observe.accounting import Accountant
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.proxy import Forwarder
+from gateway.quotas import Quotas
 from gateway.routing import Router
 from gateway.signals.engines import EngineScraper
 from gateway.state import StateBackend
-from gateway.tenants import Quotas, Tenants
 
 
 @dataclass(eq=False)

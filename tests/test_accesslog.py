@@ -7,7 +7,7 @@ import io
 import logging
 import threading
 
-from gateway.accesslog import BatchingHandler
+from gateway.observe.accesslog import BatchingHandler
 
 
 def _logger(handler: BatchingHandler) -> logging.Logger:

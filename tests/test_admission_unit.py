@@ -9,8 +9,10 @@ import pytest
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
 from gateway.admission.guard import LatencyGuard, combine, verdict
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
+from gateway.api.errors import headers_of
 from gateway.backends import Backends
-from gateway.metrics import GatewayMetrics
+from gateway.errors import GatewayError
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
 from gateway.routing import Router
 from gateway.signals.engines import EngineScraper, parse_engine_metrics
@@ -39,6 +41,11 @@ pools:
     backends:
       - {name: l, url: "http://127.0.0.1:2"}
 """
+
+
+def answer_headers(err: GatewayError) -> dict[str, str]:
+    """The headers the caller gets for a refusal, as the API boundary renders them."""
+    return {k.decode(): v.decode() for k, v in headers_of(err)}
 
 
 class Clock:
@@ -72,8 +79,8 @@ def test_admits_until_blocks_run_out_then_rejects_without_queue_room() -> None:
         await asyncio.sleep(0)
         with pytest.raises(Overloaded) as err:
             await adm.admit(Ask("default", 10, 160))
-        assert err.value.headers["x-gateway-reason"] == "queue_full"
-        assert int(err.value.headers["retry-after"]) >= 1
+        assert answer_headers(err.value)["x-gateway-reason"] == "queue_full"
+        assert int(answer_headers(err.value)["retry-after"]) >= 1
         await adm.release(t1)  # frees 60 blocks: both waiters fit
         r1, r2 = await asyncio.gather(w1, w2)
         assert (r1.decision, r2.decision) == ("queued", "queued")
@@ -92,8 +99,8 @@ def test_predicted_wait_over_deadline_is_rejected_early() -> None:
         adm.pools["default"].drain_rate = 100.0  # tokens/s: 1,600 tokens take 16 s > 5 s
         with pytest.raises(Overloaded) as err:
             await adm.admit(Ask("default", 10, 1600))
-        assert err.value.headers["x-gateway-reason"] == "predicted_wait"
-        assert int(err.value.headers["retry-after"]) == 16
+        assert answer_headers(err.value)["x-gateway-reason"] == "predicted_wait"
+        assert int(answer_headers(err.value)["retry-after"]) == 16
         assert "KV cache is at the admission limit" in err.value.message
         assert "predicted wait (16.0s) exceeds the queue deadline (5s)" in err.value.message
         await adm.release(held)
@@ -107,7 +114,7 @@ def test_client_deadline_shorter_than_policy() -> None:
         held = await adm.admit(Ask("default", 100, 1600))
         with pytest.raises(Overloaded) as err:
             await adm.admit(Ask("default", 10, 160, deadline_s=0.05))
-        assert err.value.headers["x-gateway-reason"] == "queue_timeout"
+        assert answer_headers(err.value)["x-gateway-reason"] == "queue_timeout"
         assert len(adm.pools["default"].queue) == 0
         await adm.release(held)
 
@@ -144,7 +151,7 @@ def test_sheddable_waiter_is_pushed_out_by_critical() -> None:
         await asyncio.sleep(0)
         with pytest.raises(Overloaded) as err:
             await shed
-        assert err.value.headers["x-gateway-reason"] == "shed"
+        assert answer_headers(err.value)["x-gateway-reason"] == "shed"
         await adm.release(held)
         first, second = await asyncio.gather(crit, std)
         for t in (first, second):
@@ -312,7 +319,7 @@ def test_static_rule_sheds_on_engine_signals_only() -> None:
             'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "vllm", clock.now)
         with pytest.raises(Overloaded) as err:
             await adm.admit(Ask("default", 1, 1))
-        assert err.value.headers["x-gateway-reason"] == "static_rule"
+        assert answer_headers(err.value)["x-gateway-reason"] == "static_rule"
         adm.scraper.samples[("default", "a")] = parse_engine_metrics(
             'vllm:num_requests_waiting{model_name="m"} 0\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0.85\n', "vllm", clock.now)
@@ -386,7 +393,7 @@ def test_a_full_prefill_backlog_without_queue_room_says_so() -> None:
         first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
         with pytest.raises(Overloaded) as err:
             await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
-        assert err.value.headers["x-gateway-reason"] == "prefill_tokens"
+        assert answer_headers(err.value)["x-gateway-reason"] == "prefill_tokens"
         assert "prefill backlog is at the limit" in str(err.value)
         await adm.release(first)
 

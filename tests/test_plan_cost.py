@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.accounting import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
+from gateway.observe.accounting import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
 from gateway.plancost import STEP_OVERHEAD_S
 from tests.test_plan import M70, TRACES, gateway_plan, plan_json
 

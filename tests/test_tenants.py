@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from openai import OpenAI
 
-from gateway.tenants import hash_key
+from gateway.auth import hash_key
 from tests.conftest import StartGateway, StartSim, metric, quiet, scrape
 from tests.servers import Server, free_port, gateway_cmd, run_server
 

@@ -33,10 +33,10 @@ from gateway.admission.guard import LatencyGuard, Verdict, combine, verdict
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.admission.thresholds import Thresholds, thresholds_for
 from gateway.backends import Backend, Backends
-from gateway.metrics import GatewayMetrics
+from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUnavailable
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy, PoolSpec
 from gateway.profiles import get_gpu, ledger
-from gateway.protocol import GatewayError
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import (
@@ -56,12 +56,6 @@ TICK_S = 0.05
 # backend: an idle engine says nothing about how much reservations overestimate.
 OVERBOOK_MIN_LOAD = 0.3
 OVERBOOK_SMOOTHING = 0.2
-
-
-class Overloaded(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "overloaded"
 
 
 @dataclass(eq=False)
@@ -275,7 +269,7 @@ class Admission:
                 self._count(ask.pool, "rejected", "overflow_cap")
                 raise Overloaded(f"The long-context pool is unavailable and pool `{ask.pool}` "
                                  f"already runs {cap} overflowed long request(s).",
-                                 headers={"retry-after": "5"})
+                                 retry_after_s=5, reason="overflow_cap")
         if ps.spec.admission.mode == "static":
             return self._static(ps, ask)
         if ps.spec.admission.shadow:
@@ -310,7 +304,7 @@ class Admission:
             self._count(ps.name, "rejected", "static_rule")
             raise Overloaded(f"Pool `{ps.name}` is at capacity: every engine reports more "
                              f"than {waiting_max:g} waiting or KV usage over {kv_max:g}.",
-                             headers={"retry-after": "1", "x-gateway-reason": "static_rule"})
+                             retry_after_s=1, reason="static_rule")
         self._count(ps.name, "admitted", "static_rule")
         return Ticket(ps.name, best, None, None, "admitted", "static_rule")
 
@@ -383,9 +377,8 @@ class Admission:
         except StateError as exc:
             self.metrics.state_errors.labels("reserve").inc()
             if ps.spec.admission.fail_mode == "closed":
-                raise Overloaded(f"Admission state is unavailable and pool `{ps.name}` fails "
-                                 "closed.", code="state_unavailable",
-                                 headers={"retry-after": "1"}) from exc
+                raise StateUnavailable(f"Admission state is unavailable and pool `{ps.name}` "
+                                       "fails closed.", retry_after_s=1) from exc
             store = self.fallback
             share = max(1, self.replicas)
             limits = Limits(max_blocks // share,
@@ -554,8 +547,7 @@ class Admission:
         }[outcome]
         return Overloaded(f"Pool `{ps.name}` is at capacity: {full}{then}. Retry after "
                           f"{retry}s.",
-                          headers={"retry-after": str(retry),
-                                   "x-gateway-reason": outcome or cause})
+                          retry_after_s=retry, reason=outcome or cause)
 
     async def drain(self, ps: PoolState) -> None:
         """Admit waiters in order while they fit; called on every release and on a tick."""
@@ -710,8 +702,5 @@ class Admission:
 
 
 def _no_backend(pool: str) -> GatewayError:
-    from gateway.protocol import NoBackendAvailable
-
-    return NoBackendAvailable(f"No healthy backend in pool `{pool}`.",
-                              headers={"retry-after": "1"})
+    return NoBackendAvailable(f"No healthy backend in pool `{pool}`.", retry_after_s=1)
 

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.auth import bearer
 from gateway.protocol import error_body
-from gateway.tenants import bearer
-from gateway.workers import PARENT_ENV
+from gateway.serving.workers import PARENT_ENV
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp

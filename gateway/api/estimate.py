@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.controller import Ask
+from gateway.api.errors import http_error
 from gateway.costing import cost_request
-from gateway.protocol import BodyTooLarge, Endpoint, GatewayError, parse_request
+from gateway.errors import BodyTooLarge, GatewayError
+from gateway.protocol import Endpoint, parse_request
 from gateway.runtime import runtime_of
 
 
@@ -57,5 +59,6 @@ async def estimate_endpoint(request: Request) -> Response:
 
 
 def _error(err: GatewayError) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json",
-                    headers=err.headers)
+    answer = http_error(err)
+    return Response(answer.body, status_code=answer.status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in answer.headers})

@@ -22,20 +22,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.accesslog import log_exchange, log_rejection
 from gateway.admission.controller import Ask, Ticket
+from gateway.api.errors import http_error, rate_limit_headers
 from gateway.costing import cost_request, profile_of
-from gateway.protocol import (
-    BodyTooLarge,
-    Endpoint,
-    GatewayError,
-    RequestTimeout,
-    error_body,
-    parse_request,
-)
+from gateway.errors import BodyTooLarge, GatewayError, InternalError, RequestTimeout, UpstreamError
+from gateway.observe.accesslog import log_exchange, log_rejection
+from gateway.protocol import Endpoint, error_body, parse_request
 from gateway.proxy import ClientGone, Exchange
+from gateway.quotas import QuotaTicket
 from gateway.runtime import Runtime, runtime_of
-from gateway.tenants import QuotaTicket
 
 log = logging.getLogger("gateway.api")
 
@@ -143,9 +138,8 @@ class CompletionsEndpoint:
                 (b"x-gateway-decision", ticket.decision.encode()),
                 (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
                 (b"x-gateway-prompt-tokens", b"%d" % costed.prompt_tokens)]
-            if quota is not None:
-                response_headers.extend((k.encode(), v.encode())
-                                        for k, v in quota.headers.items())
+            if quota is not None and quota.window is not None:
+                response_headers.extend(rate_limit_headers(quota.window))
             ex = Exchange(
                 request_id=request_id, endpoint=self.endpoint, model=model.name,
                 pool=route.pool, body=body, stream=bool(parsed.stream), arrival=arrival,
@@ -176,20 +170,22 @@ class CompletionsEndpoint:
         except ClientGone:
             gone = True
         except GatewayError as err:
-            if ex is not None and ex.backend is not None and err.status == 502:
-                err.headers.setdefault("x-gateway-backend", ex.backend.name)
+            if ex is not None and ex.backend is not None and isinstance(err, UpstreamError) \
+                    and err.backend is None:
+                err.backend = ex.backend.name
+            answer = http_error(err)
             if not gone and (ex is None or not ex.response_started):
                 await _send_error(send, err, rid_header)
             if ex is not None:
-                ex.status = err.status
+                ex.status = answer.status
                 ex.error = err.message
             else:
-                rt.metrics.request_done("", "", err.status)
-                log_rejection(request_id, self.endpoint, err.status, err.message)
+                rt.metrics.request_done("", "", answer.status)
+                log_rejection(request_id, self.endpoint, answer.status, err.message)
         except Exception:
             log.exception("unexpected error in request %s", request_id)
             if ex is None or not ex.response_started:
-                await _send_error(send, GatewayError(
+                await _send_error(send, InternalError(
                     f"Internal gateway error (request id {request_id})."), rid_header)
             if ex is not None:
                 ex.status = 500
@@ -304,11 +300,10 @@ def _observe(rt: Runtime, ex: Exchange, gone: bool, now: float, forward_start: f
 
 
 async def _send_error(send: Send, err: GatewayError, rid: tuple[bytes, bytes]) -> None:
-    body = err.body()
-    headers = [_JSON, rid, (b"content-length", str(len(body)).encode())]
-    headers.extend((k.encode(), v.encode()) for k, v in err.headers.items())
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    answer = http_error(err)
+    headers = [_JSON, rid, (b"content-length", b"%d" % len(answer.body)), *answer.headers]
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body, "more_body": False})
 
 
 async def list_models(request: Request) -> Response:

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.metrics import exposition_registry
+from gateway.observe.metrics import exposition_registry
 from gateway.runtime import runtime_of
 
 

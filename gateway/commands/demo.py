@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gateway.commands.serve import serve
 from gateway.policy import Policy, PolicyError, load_policy
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "demo.yaml"
@@ -47,8 +48,6 @@ def run(args: argparse.Namespace) -> int:
         if not _wait_engines(policy, engines):
             return 1
         _print_usage(policy, args.port)
-        from gateway.commands.serve import serve
-
         serve(policy, "127.0.0.1", args.port, policy_path=args.policy)
     finally:
         _stop(engines)

@@ -1,16 +1,21 @@
 """`gateway serve --policy FILE`: run the gateway under uvicorn (uvloop + httptools).
 
-`--workers N` runs N processes on one port (gateway/workers.py says how they share
+`--workers N` runs N processes on one port (gateway/serving/workers.py says how they share
 admission state and metrics).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
+from typing import Any
 
+from gateway.app import create_app
+from gateway.observe.accesslog import configure_logging
 from gateway.policy import Policy, PolicyError, load_policy
+from gateway.serving import server, workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,9 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print(exc.render(), file=sys.stderr)
         return 1
     if args.workers > 1:
-        from gateway import workers
-
-        return workers.run(args.workers, args.host, args.port, {
+        return workers.run(args.workers, args.host, args.port, worker_main, {
             "host": args.host, "port": args.port, "log_level": args.log_level,
             "redis_url": args.redis_url, "state_prefix": args.state_prefix,
             "policy_path": args.policy})
@@ -71,10 +74,6 @@ def serve(policy: Policy, host: str, port: int, log_level: str = "info",
           redis_url: str | None = None, state_prefix: str = "gw",
           policy_path: str | None = None, admin_port: int | None = None,
           sockets: list[socket.socket] | None = None) -> None:
-    from gateway import server
-    from gateway.accesslog import configure_logging
-    from gateway.app import create_app
-
     configure_logging(log_level)
     app = create_app(policy, redis_url=redis_url, state_prefix=state_prefix,
                      policy_path=policy_path, admin_routes=admin_port is None)
@@ -83,3 +82,12 @@ def serve(policy: Policy, host: str, port: int, log_level: str = "info",
                max_concurrency=limits.max_concurrent_requests * 2 + 64,
                admin_app=app.admin_app() if admin_port is not None else None,
                admin_port=admin_port, on_sighup=app.reload, sockets=sockets)
+
+
+def worker_main(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:
+    """One worker of `--workers N` (gateway/serving/workers.py starts it)."""
+    # The parent checked this file a moment ago; a worker that cannot load it must not serve.
+    policy = load_policy(serve_kwargs["policy_path"])
+    # POST /admin/reload reaches one worker; it asks the parent to reload them all.
+    os.environ[workers.PARENT_ENV] = str(os.getppid())
+    serve(policy, sockets=[sock], **serve_kwargs)

@@ -18,10 +18,10 @@ from gateway.cost.errors import (
     TokenizerError,
 )
 from gateway.cost.estimator import CharRatioEstimator, chat_chars
-from gateway.cost.model import OutputLengthModel, RequestCost, estimate
 from gateway.cost.templates import openai_messages
 from gateway.cost.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from gateway.cost.traces import TraceError, TraceRequest, read_trace
+from gateway.cost.work import OutputLengthModel, RequestCost, estimate
 
 __all__ = [
     "CharRatioEstimator",

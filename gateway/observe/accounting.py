@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 from gateway.profiles import ModelProfile, get_gpu
 

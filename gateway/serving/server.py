@@ -77,7 +77,7 @@ def run(app: Any, host: str, port: int, *, max_header_bytes: int,
         max_concurrency: int | None, admin_app: Any | None = None,
         admin_port: int | None = None, on_sighup: Any | None = None,
         sockets: list[socket.socket] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; `sockets`: listen on these (bound by `gateway.workers`)."""
+    """Serve until SIGTERM/SIGINT; `sockets`: listen on these (bound by serving/workers.py)."""
     main = uvicorn.Server(_config(app, host, port, max_concurrency, max_header_bytes))
     servers = [main]
     if admin_app is not None and admin_port is not None:

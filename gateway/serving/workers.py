@@ -13,7 +13,7 @@ What the workers must share, and how:
 - metrics: a scrape reaches one worker at random, so every worker writes its samples to files
   in one directory (prometheus_client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR) and
   `/metrics` merges them: counters and histograms add up, each gauge combines as its
-  `multiprocess_mode` in gateway/metrics.py says.
+  `multiprocess_mode` in gateway/observe/metrics.py says.
 """
 
 from __future__ import annotations
@@ -26,17 +26,22 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.serving.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STOP_TIMEOUT_S = 15.0
 
 
 PARENT_ENV = "GATEWAY_WORKERS_PARENT"
+
+# What each worker process runs: (the shared listening socket, serve()'s keyword arguments).
+# Passed in by `gateway serve` (a module-level function, so `spawn` can pickle it), which
+# keeps this module free of the app it serves.
+Worker = Callable[[socket.socket, dict[str, Any]], None]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -60,7 +65,8 @@ def metrics_dir() -> tuple[str, bool]:
     return path, False
 
 
-def run(workers: int, host: str, port: int, serve_kwargs: dict[str, Any]) -> int:
+def run(workers: int, host: str, port: int, target: Worker,
+        serve_kwargs: dict[str, Any]) -> int:
     """Serve with `workers` processes until a signal stops them; the exit status."""
     sock = bind(host, port)
     path, made = metrics_dir()
@@ -68,7 +74,7 @@ def run(workers: int, host: str, port: int, serve_kwargs: dict[str, Any]) -> int
     # process first imports it.
     os.environ[MULTIPROC_ENV] = path
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(sock, serve_kwargs), name=f"gateway-worker-{i}")
+    procs = [ctx.Process(target=target, args=(sock, serve_kwargs), name=f"gateway-worker-{i}")
              for i in range(workers)]
     pending: list[int] = []
 
@@ -116,14 +122,3 @@ def _send(procs: Sequence[multiprocessing.process.BaseProcess], signum: int) -> 
     for p in procs:
         if p.pid is not None and p.is_alive():
             os.kill(p.pid, signum)
-
-
-def _worker(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:
-    from gateway.commands.serve import serve
-    from gateway.policy import load_policy
-
-    # The parent checked this file a moment ago; a worker that cannot load it must not serve.
-    policy = load_policy(serve_kwargs["policy_path"])
-    # POST /admin/reload reaches one worker; it asks the parent to reload them all.
-    os.environ[PARENT_ENV] = str(os.getppid())
-    serve(policy, sockets=[sock], **serve_kwargs)
