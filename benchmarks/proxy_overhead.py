@@ -52,11 +52,10 @@ sys.path.insert(0, str(ROOT))
 
 from loadtest.client import (  # noqa: E402  (after the path fix, so it runs from a checkout)
     LoopLagProbe,
-    RunResult,
     StreamClient,
     chat_request,
-    run_closed,
 )
+from loadtest.runner import FixedRequests, LoadShape, Outcome, Runner  # noqa: E402
 from loadtest.stats import median, percentile  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -311,7 +310,7 @@ class SatRun:
         return self.delivered / self.usage.proxy if self.usage.proxy > 0 else math.nan
 
 
-def excess_gaps(run: RunResult, itl_s: float) -> list[float]:
+def excess_gaps(run: Outcome, itl_s: float) -> list[float]:
     return [max(0.0, r.max_gap_s - itl_s) for r in run.results if r.ok and r.ttft_s is not None]
 
 
@@ -341,21 +340,23 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
     one_request_s = (ttft_ms + (tokens - 1) * itl_ms) / 1e3
     async with StreamClient(t.url, connections=streams * 2) as client:
         # Warm-up: open the connections (through the proxy too) before anything is timed.
-        await run_closed(client, spec, concurrency=streams, count=streams, duration_s=10,
-                         ramp_s=one_request_s / 2)
+        await Runner([client], FixedRequests(spec), LoadShape(
+            concurrency=streams, max_requests=streams, duration_s=10,
+            ramp_s=one_request_s / 2)).run()
         client_gc_quiet()
         before = metrics_text(t.url) if t.metrics else None
         s0 = snapshot(engine, t.proc)
         async with LoopLagProbe() as lag:
-            run = await run_closed(client, spec, concurrency=streams, count=1_000_000,
-                                   duration_s=duration_s, ramp_s=one_request_s)
+            run = await Runner([client], FixedRequests(spec), LoadShape(
+                concurrency=streams, max_requests=1_000_000, duration_s=duration_s,
+                ramp_s=one_request_s)).run()
         usage = Usage.between(s0, snapshot(engine, t.proc))
         after = metrics_text(t.url) if t.metrics else None
     lag_delta, gc_note = gateway_figures(t, before, after)
     ttfts = run.ttfts()
     gaps = excess_gaps(run, itl_ms / 1e3)
     return TtftRun(t.name, percentile(ttfts, 50), percentile(ttfts, 99), len(ttfts),
-                   len(run.errors()), percentile(gaps, 99), max(gaps, default=math.nan),
+                   len(run.failed()), percentile(gaps, 99), max(gaps, default=math.nan),
                    usage, lag.max_s, lag_delta, gc_note,
                    gc_delta(before, after, "2") if t.metrics else None)
 
@@ -369,9 +370,9 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
     warm_s = 0.5 + stream_s / 2   # ramp plus half a stream: every stream is in flight
     client_gc_quiet()
     async with StreamClient(t.url, connections=streams * 2, record_gaps=False) as client:
-        task = asyncio.create_task(run_closed(client, spec, concurrency=streams,
-                                              count=1_000_000, duration_s=warm_s + window_s,
-                                              ramp_s=0.5))
+        task = asyncio.create_task(Runner([client], FixedRequests(spec), LoadShape(
+            concurrency=streams, max_requests=1_000_000, duration_s=warm_s + window_s,
+            ramp_s=0.5)).run())
         await asyncio.sleep(warm_s)
         before = metrics_text(t.url) if t.metrics else None
         e0, s0 = client.events_total, snapshot(engine, t.proc)
@@ -384,7 +385,7 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
     gaps = excess_gaps(run, itl_ms / 1e3)
     return SatRun(t.name, streams * 1e3 / itl_ms, (e1 - e0) / (s1.wall - s0.wall),
                   Usage.between(s0, s1), percentile(ttfts, 50), percentile(ttfts, 99),
-                  percentile(gaps, 99), max(gaps, default=math.nan), len(run.errors()),
+                  percentile(gaps, 99), max(gaps, default=math.nan), len(run.failed()),
                   lag_delta, gc_note)
 
 

@@ -1,9 +1,11 @@
 """The streaming load client: send OpenAI requests and time every chunk, cheaply.
 
-Used by `benchmarks/` and by `loadtest run`. One aiohttp `ClientSession` with a large connection
-pool carries every request. aiohttp rather than httpx because httpx costs about 3x more CPU per
-chunk and collapses above about 0.8 core on this machine (see docs/benchmarks.md): a load
-generator that saturates first measures itself, not the system under test.
+This module only sends; pacing (open and closed loops, the run's own CPU) is the one load
+driver's, `loadtest/runner.py`, which `loadtest run` and `benchmarks/` use. One aiohttp
+`ClientSession` with a large connection pool carries every request. aiohttp rather than httpx
+because httpx costs about 3x more CPU per chunk and collapses above about 0.8 core on this
+machine (see docs/benchmarks.md): a load generator that saturates first measures itself, not
+the system under test.
 
 What it costs per chunk, and why it is cheap enough for 20,000+ chunks/s from one core:
 - it reads whatever bytes have arrived (`readany`), never line by line;
@@ -16,9 +18,6 @@ Timing is `time.perf_counter()`. TTFT is from just before the request is sent to
 holds the first non-empty content (so vLLM's empty role frame does not count as a token). Gaps
 are between reads that hold at least one event, from the first token on; when several events
 arrive in one read they count as one gap, which is what a user sees.
-
-The run helpers report the client's own CPU (`time.process_time`) so a run can say when the
-generator itself neared saturation.
 """
 
 from __future__ import annotations
@@ -26,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import math
-import random
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -44,7 +42,6 @@ _FIRST_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")')
 _HEAD_LIMIT = 64 * 1024     # stop looking for a first token after this many bytes
 _TAIL_READS = 4             # reads kept to find the last event (usage, error) in
 _ERROR_BODY_LIMIT = 4096
-SATURATION_CPU = 0.8        # the generator's share of a core above which its figures are suspect
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,40 +103,6 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    """A batch of requests and what the generator itself spent on them."""
-
-    results: list[RequestResult]
-    wall_s: float
-    cpu_s: float                    # this process's CPU time over the run
-    dropped: int = 0                # open loop: arrivals skipped at the in-flight cap
-    max_schedule_lag_s: float = 0.0  # open loop: how far behind its schedule sending fell
-
-    @property
-    def cpu_fraction(self) -> float:
-        """The client's share of one core over the run."""
-        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def saturated(self) -> bool:
-        return self.cpu_fraction >= SATURATION_CPU
-
-    @property
-    def events(self) -> int:
-        return sum(r.events for r in self.results)
-
-    @property
-    def events_per_s(self) -> float:
-        return self.events / self.wall_s if self.wall_s > 0 else 0.0
-
-    def ttfts(self) -> list[float]:
-        return [r.ttft_s for r in self.results if r.ok and r.ttft_s is not None]
-
-    def errors(self) -> list[RequestResult]:
-        return [r for r in self.results if not r.ok]
 
 
 class StreamClient:
@@ -336,89 +299,6 @@ def _last_event(reads: Sequence[bytes] | deque[bytes], sse: bool
         except (TypeError, ValueError):
             return None, None
     return None, None
-
-
-RequestSource = RequestSpec | Callable[[int], RequestSpec]
-
-
-def _spec_for(source: RequestSource, i: int) -> RequestSpec:
-    return source if isinstance(source, RequestSpec) else source(i)
-
-
-async def run_closed(client: StreamClient, source: RequestSource, *, concurrency: int,
-                     count: int, duration_s: float, ramp_s: float = 0.0) -> RunResult:
-    """Keep `concurrency` requests in flight until `count` were sent or `duration_s` passed.
-
-    `ramp_s` spreads the workers' first requests evenly over that time. Without it, requests
-    of equal length start, end and restart in lockstep, and every restart is a burst of
-    `concurrency` sends that the client itself takes milliseconds to issue; set it to about
-    one request's duration. Requests in flight at the deadline are read to their end (each
-    bounded by the client's timeout), so a run lasts at most `duration_s` plus one request.
-    """
-    results: list[RequestResult] = []
-    next_i = 0
-    t0 = time.perf_counter()
-    cpu0 = time.process_time()
-    deadline = t0 + duration_s
-
-    workers = max(1, min(concurrency, count))
-
-    async def worker(k: int) -> None:
-        nonlocal next_i
-        if ramp_s > 0:
-            await asyncio.sleep(ramp_s * k / workers)
-        while next_i < count and time.perf_counter() < deadline:
-            i = next_i
-            next_i += 1
-            results.append(await client.send(_spec_for(source, i), run_start=t0))
-
-    await asyncio.gather(*(worker(k) for k in range(workers)))
-    return RunResult(results, time.perf_counter() - t0, time.process_time() - cpu0)
-
-
-async def run_open(client: StreamClient, source: RequestSource, *, rate: float, count: int,
-                   duration_s: float, max_in_flight: int = 10_000, poisson: bool = False,
-                   seed: int = 0) -> RunResult:
-    """Start requests at `rate` per second, whether or not earlier ones finished.
-
-    Arrivals are evenly spaced, or exponential gaps with `poisson`. Sending stops after `count`
-    requests or `duration_s`; an arrival that finds `max_in_flight` requests running is dropped
-    and counted, so an overloaded target cannot make the generator grow without bound.
-    """
-    if rate <= 0:
-        raise ValueError("rate must be positive")
-    rng = random.Random(seed)
-    results: list[RequestResult] = []
-    tasks: set[asyncio.Task[None]] = set()
-    dropped = 0
-    max_lag = 0.0
-    t0 = time.perf_counter()
-    cpu0 = time.process_time()
-    due = 0.0
-
-    async def one(spec: RequestSpec) -> None:
-        results.append(await client.send(spec, run_start=t0))
-
-    for i in range(count):
-        if i:
-            due += rng.expovariate(rate) if poisson else 1.0 / rate
-        if due > duration_s:
-            break
-        delay = t0 + due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        else:
-            max_lag = max(max_lag, -delay)
-        if client.in_flight >= max_in_flight:
-            dropped += 1
-            continue
-        task = asyncio.create_task(one(_spec_for(source, i)))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
-    return RunResult(results, time.perf_counter() - t0, time.process_time() - cpu0, dropped,
-                     max_lag)
 
 
 class LoopLagProbe:

@@ -27,6 +27,7 @@ from loadtest.runner import (
     Outcome,
     Runner,
     TargetError,
+    WorkloadRequests,
     build_report,
     check_url,
     is_loopback,
@@ -190,7 +191,7 @@ async def run_once(urls: list[str], model: str, builder: PromptBuilder, prep: Pr
                    runner_hook: Any = None) -> tuple[dict[str, Any], Outcome]:
     """One run against `urls` and its report. `runner_hook(runner)` may start side tasks."""
     shape = shape or prep.shape
-    runner = Runner(urls, builder, prep.workload, shape, headers=prep.headers,
+    runner = Runner(urls, WorkloadRequests(builder, prep.workload), shape, headers=prep.headers,
                     timeout_s=args.timeout, seed=args.seed)
     show = not args.no_progress and sys.stderr.isatty()
     side = runner_hook(runner) if runner_hook is not None else None

@@ -8,6 +8,11 @@ real users do); closed loop keeps a fixed number in flight. Both are bounded: se
 Request bodies for an open-loop run are built before the clock starts: building a prompt costs
 far more than sending it, and doing it on schedule would show up as the generator's own lag.
 The sending itself is `loadtest.client.StreamClient`, whose per-chunk cost is a few C calls.
+
+This is the one load driver: `loadtest run | sweep | calibrate`, the benchmarks and the tests all
+pace requests through `Runner`. What it sends is a `Requests`: prompts of exact lengths built
+from a workload (`WorkloadRequests`, the command line's), or one fixed request
+(`FixedRequests`, the benchmarks', which measure the path and not the prompt).
 """
 
 from __future__ import annotations
@@ -17,20 +22,21 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from loadtest import __version__
-from loadtest.client import SATURATION_CPU, LoopLagProbe, RequestResult, RequestSpec, StreamClient
+from loadtest.client import LoopLagProbe, RequestResult, RequestSpec, StreamClient
 from loadtest.report import Sample, error_examples, figures, format_slo
 from loadtest.workload import Arrival, PromptBuilder, Workload, WorkloadError, arrival_times
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+SATURATION_CPU = 0.8        # the generator's share of a core above which its figures are suspect
 
 
 class TargetError(RuntimeError):
@@ -79,18 +85,89 @@ class Tracker:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    samples: list[Sample]
+    samples: list[Sample]       # in request order
     wall_s: float
-    cpu_s: float
-    chunks: int
-    dropped: int
-    max_schedule_lag_s: float
+    cpu_s: float                # this process's CPU time over the run
+    chunks: int                 # SSE events received over the run
+    dropped: int                # open loop: arrivals skipped at the in-flight cap
+    max_schedule_lag_s: float   # open loop: how far behind its schedule sending fell
     max_loop_lag_s: float
     cancelled: int
 
     @property
     def cpu_fraction(self) -> float:
+        """The generator's share of one core over the run."""
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def saturated(self) -> bool:
+        return self.cpu_fraction >= SATURATION_CPU
+
+    @property
+    def results(self) -> list[RequestResult]:
+        return [s.result for s in self.samples]
+
+    def ttfts(self) -> list[float]:
+        """Time to first token of every request that succeeded."""
+        return [s.result.ttft_s for s in self.samples
+                if s.result.ok and s.result.ttft_s is not None]
+
+    def failed(self) -> list[RequestResult]:
+        """Every request that did not succeed: rejections, errors and cancellations."""
+        return [s.result for s in self.samples if not s.result.ok]
+
+
+# --- what to send -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One request to send and the tokens it counts as (for the counters and the report)."""
+
+    spec: RequestSpec
+    prompt_tokens: int
+    output_tokens: int
+
+
+class Requests(Protocol):
+    """What a run sends: the request of each index, and (trace replay) the trace's arrivals."""
+
+    def request(self, index: int) -> Planned: ...
+
+    def trace_times(self) -> list[float] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequests:
+    """The workload's lengths as prompts of exactly those lengths (`loadtest run`)."""
+
+    builder: PromptBuilder
+    workload: Workload
+
+    def request(self, index: int) -> Planned:
+        item = self.workload.item(index)
+        spec, prompt_tokens = self.builder.build(index, item)
+        return Planned(spec, prompt_tokens, item.output_tokens)
+
+    def trace_times(self) -> list[float] | None:
+        return self.workload.trace_times()
+
+
+@dataclass(frozen=True, slots=True)
+class FixedRequests:
+    """One request, or one per index from a function; the token counts are whatever the caller
+    states (0: unknown), since no tokenizer measured the prompt."""
+
+    source: RequestSpec | Callable[[int], RequestSpec]
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def request(self, index: int) -> Planned:
+        spec = self.source if isinstance(self.source, RequestSpec) else self.source(index)
+        return Planned(spec, self.prompt_tokens, self.output_tokens)
+
+    def trace_times(self) -> list[float] | None:
+        return None
 
 
 # --- the target ---------------------------------------------------------------------------------
@@ -155,12 +232,12 @@ def _cancelled(start_s: float, now_s: float, drain_s: float) -> RequestResult:
                          retry_after_s=None, queue_ms=None)
 
 
-def schedule(shape: LoadShape, workload: Workload, seed: int) -> list[float]:
+def schedule(shape: LoadShape, requests: Requests, seed: int) -> list[float]:
     """Open-loop send times. `--arrival trace` with `--rate` rescales the trace to that rate."""
     rng = random.Random(seed)
     compress = shape.time_compress
     if shape.arrival.kind == "trace":
-        times = workload.trace_times()
+        times = requests.trace_times()
         if times is None:
             raise WorkloadError("--arrival trace needs --trace")
         if shape.rate is not None:
@@ -174,19 +251,26 @@ def schedule(shape: LoadShape, workload: Workload, seed: int) -> list[float]:
 
 
 class Runner:
-    """One run: clients (one per target URL), the prompt builder, the counters."""
+    """One run: clients (one per target), what to send, the counters.
 
-    def __init__(self, urls: Sequence[str], builder: PromptBuilder, workload: Workload,
+    A target is a base URL, for which the run opens a client and closes it at the end, or a
+    `StreamClient` the caller opened and keeps (a benchmark warms its connections in one run
+    and measures in the next; `headers` and `timeout_s` are then the client's own).
+    """
+
+    def __init__(self, targets: Sequence[str | StreamClient], requests: Requests,
                  shape: LoadShape, *, headers: dict[str, str] | None = None,
                  timeout_s: float = 300.0, seed: int = 0) -> None:
-        self.urls = list(urls)
-        self.builder = builder
-        self.workload = workload
+        self.requests = requests
         self.shape = shape
         self.seed = seed
         self.tracker = Tracker()
-        self.clients = [StreamClient(u, timeout_s=timeout_s, headers=headers or {})
-                        for u in self.urls]
+        self.clients = [t if isinstance(t, StreamClient)
+                        else StreamClient(t, timeout_s=timeout_s, headers=headers or {})
+                        for t in targets]
+        self.urls = [c.base_url for c in self.clients]
+        self._owned = [c for c, t in zip(self.clients, targets, strict=True)
+                       if not isinstance(t, StreamClient)]
 
     def _client(self) -> StreamClient:
         # Fewest in flight, as the gateway balances: LLM requests differ in length too much
@@ -228,14 +312,14 @@ class Runner:
                            outcome.dropped, outcome.max_schedule_lag_s,
                            0.0 if math.isnan(lag.max_s) else lag.max_s, outcome.cancelled)
         finally:
-            for c in self.clients:
+            for c in self._owned:
                 await c.close()
 
     def _chunks(self) -> int:
         return sum(c.events_total for c in self.clients)
 
-    async def _drain(self, tasks: dict[asyncio.Task[None], tuple[int, float]], t0: float,
-                     out: list[Sample]) -> int:
+    async def _drain(self, tasks: dict[asyncio.Task[None], tuple[int, float, Planned]],
+                     t0: float, out: list[Sample]) -> int:
         """Wait for the requests still running, at most `drain_s`; cancel and count the rest."""
         if not tasks:
             return 0
@@ -247,23 +331,18 @@ class Runner:
             await asyncio.gather(*pending, return_exceptions=True)
         now = time.perf_counter() - t0
         for task in pending:
-            index, start = started[task]
-            item = self.workload.item(index)
+            index, start, planned = started[task]
             result = _cancelled(start, now, self.shape.drain_s)
-            out.append(Sample(index, item.prompt_tokens, item.output_tokens, result))
+            out.append(Sample(index, planned.prompt_tokens, planned.output_tokens, result))
             self.tracker.errors += 1
         return len(pending)
 
     async def _open(self) -> Outcome:
-        times = schedule(self.shape, self.workload, self.seed)
-        built: list[tuple[RequestSpec, int, int]] = []
-        for i in range(len(times)):
-            item = self.workload.item(i)
-            spec, prompt_tokens = self.builder.build(i, item)
-            built.append((spec, prompt_tokens, item.output_tokens))
+        times = schedule(self.shape, self.requests, self.seed)
+        built = [self.requests.request(i) for i in range(len(times))]
         self.tracker.planned = len(times)
         out: list[Sample] = []
-        tasks: dict[asyncio.Task[None], tuple[int, float]] = {}
+        tasks: dict[asyncio.Task[None], tuple[int, float, Planned]] = {}
         dropped = 0
         max_lag = 0.0
         chunks0 = self._chunks()
@@ -279,9 +358,10 @@ class Runner:
             if self.tracker.in_flight >= self.shape.max_in_flight:
                 dropped += 1  # the target is not keeping up; never grow without bound
                 continue
-            spec, prompt_tokens, output = built[i]
-            task = asyncio.create_task(self._send(i, spec, prompt_tokens, output, t0, out))
-            tasks[task] = (i, due)
+            planned = built[i]
+            task = asyncio.create_task(self._send(i, planned.spec, planned.prompt_tokens,
+                                                  planned.output_tokens, t0, out))
+            tasks[task] = (i, due, planned)
             task.add_done_callback(lambda t: tasks.pop(t, None))
         del built
         cancelled = await self._drain(tasks, t0, out)
@@ -313,9 +393,9 @@ class Runner:
             while next_i < count and time.perf_counter() < deadline:
                 i = next_i
                 next_i += 1
-                item = self.workload.item(i)
-                spec, prompt_tokens = self.builder.build(i, item)
-                await self._send(i, spec, prompt_tokens, item.output_tokens, t0, out)
+                planned = self.requests.request(i)
+                await self._send(i, planned.spec, planned.prompt_tokens, planned.output_tokens,
+                                 t0, out)
 
         tasks = {asyncio.create_task(worker(k)): (k, 0.0) for k in range(workers)}
         # Workers stop sending at the deadline; drain bounds the requests they still read.
@@ -397,7 +477,7 @@ def build_report(outcome: Outcome, *, urls: Sequence[str], model: str, workload:
     report.update(figures(outcome.samples, outcome.wall_s, slo))
     report["generator"] = {
         "cpu_fraction": outcome.cpu_fraction, "cpu_s": outcome.cpu_s,
-        "saturated": outcome.cpu_fraction >= SATURATION_CPU,
+        "saturated": outcome.saturated,
         "chunks": outcome.chunks, "chunks_per_s": outcome.chunks / outcome.wall_s
         if outcome.wall_s > 0 else 0.0,
         "max_schedule_lag_ms": outcome.max_schedule_lag_s * 1000.0,
