@@ -36,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import admin, ops
-from gateway.api.estimate import estimate_endpoint
+from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
 from gateway.observe.metrics import GatewayMetrics
@@ -91,7 +91,7 @@ class GatewayApp:
             Route("/healthz", ops.healthz, methods=["GET"]),
             Route("/readyz", ops.readyz, methods=["GET"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
-            Route("/gateway/estimate", estimate_endpoint, methods=["POST"]),
+            Route("/gateway/estimate", EstimateEndpoint(get), methods=["POST"]),
         ]
         if admin_routes:
             routes.extend(admin.routes())

@@ -88,21 +88,6 @@ class Backends:
         for backends in self.pools.values():
             yield from backends
 
-    def pick(self, pool: str, exclude: tuple[Backend, ...] = ()) -> Backend | None:
-        """The available backend with the least outstanding work at this gateway.
-
-        Least-outstanding beats round robin for LLM traffic: requests differ in length by
-        orders of magnitude, so equal counts of requests are far from equal load.
-        """
-        now = self.clock()
-        best: Backend | None = None
-        for b in self.pools[pool]:
-            if b in exclude or not b.available(now):
-                continue
-            if best is None or b.outstanding < best.outstanding:
-                best = b
-        return best
-
     def pools_inflight(self, pool: str) -> int:
         return sum(b.outstanding for b in self.pools[pool])
 

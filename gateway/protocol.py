@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, RateWindow
 
 
 def error_body(message: str, type_: str, param: str | None = None,
@@ -26,6 +26,13 @@ def sse_error_frame(message: str, type_: str = "upstream_error",
                     code: str | None = "upstream_error") -> bytes:
     """An error as an SSE event, for failures after a stream has started (vLLM does the same)."""
     return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+def rate_limit_headers(window: RateWindow) -> list[tuple[bytes, bytes]]:
+    """OpenAI's x-ratelimit-* for tokens, from the tightest bucket's state."""
+    return [(b"x-ratelimit-limit-tokens", b"%d" % window.limit),
+            (b"x-ratelimit-remaining-tokens", b"%d" % max(0, window.remaining)),
+            (b"x-ratelimit-reset-tokens", f"{window.reset_s:.3f}s".encode())]
 
 
 # --- request bodies -------------------------------------------------------------------------

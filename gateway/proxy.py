@@ -22,7 +22,7 @@ import orjson
 from starlette.types import Send
 
 from gateway.backends import Backend
-from gateway.errors import GatewayError, NoBackendAvailable, UpstreamError
+from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.protocol import sse_error_frame
 from gateway.routing import Router
 
@@ -40,35 +40,40 @@ class ClientGone(Exception):
     """The caller disconnected; nothing more can be sent."""
 
 
-@dataclass(slots=True)
-class Exchange:
-    """One request's journey, filled in as it goes; logged and measured at the end."""
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """What to send an engine, and what to add to its answer; the pipeline's to build."""
 
     request_id: str
     endpoint: str
-    model: str
     pool: str
     body: bytes
     stream: bool
-    arrival: float
     response_headers: list[tuple[bytes, bytes]]
+    # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
+    strip_usage: bool = False
+    on_first_byte: Callable[[], None] | None = None  # once: admission's prefill backlog
+
+
+@dataclass(slots=True)
+class Relay:
+    """What the engine did with one request, as the forwarder saw it; written only here.
+
+    The latency guard reads `first_byte` and `sse_events` of streams still in flight.
+    """
+
     backend: Backend | None = None
     status: int = 0
     first_byte: float | None = None
     finished: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
     sse_events: int = 0
     attempts: int = 0
     response_started: bool = False
     error: str = ""
     upstream_headers: dict[str, str] = field(default_factory=dict)
-    tenant: str = ""
-    estimated_prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
-    strip_usage: bool = False
-    on_first_byte: Callable[[], None] | None = None  # once: admission's prefill backlog
 
 
 class Forwarder:
@@ -82,20 +87,22 @@ class Forwarder:
                                              sock_read=read_timeout)
         self.loop = asyncio.get_running_loop()
 
-    async def forward(self, ex: Exchange, send: Send, first: Backend | None = None) -> None:
-        """Send `ex` to `first` (admission's choice), or to the least-loaded backend of its
-        pool, and relay the answer through `send`. A connect failure moves on to another
-        backend of the pool (the reservation stays booked on the first; it is short-lived).
+    async def forward(self, up: Upstream, ex: Relay, send: Send,
+                      first: Backend | None = None) -> None:
+        """Send `up` to `first` (admission's choice), or to the least-loaded backend of its
+        pool, and relay the answer through `send`, noting what happened in `ex`. A connect
+        failure moves on to another backend of the pool (the reservation stays booked on the
+        first; it is short-lived).
 
         Raises GatewayError before the response has started; after that, failures are
         written into the stream and recorded in `ex`.
         """
         tried: tuple[Backend, ...] = ()
         last_error = ""
-        pool_size = len(self.backends.pools[ex.pool])
+        pool_size = len(self.backends.pools[up.pool])
         while len(tried) < pool_size:
             backend = first if first is not None and not tried \
-                else self.router.pick(ex.pool, tried)
+                else self.router.pick(up.pool, tried)
             if backend is None:
                 break
             tried += (backend,)
@@ -103,30 +110,30 @@ class Forwarder:
             ex.attempts += 1
             backend.outstanding += 1
             try:
-                resp = await self._open(ex, backend)
+                resp = await self._open(up, backend)
                 if resp is None:  # connect failure: nothing reached the engine; try another
                     last_error = backend.last_error
                     continue
                 async with resp:
-                    await self._relay(ex, backend, resp, send)
+                    await self._relay(up, ex, backend, resp, send)
                 return
             finally:
                 backend.outstanding -= 1
         if ex.attempts == 0:
-            raise NoBackendAvailable(f"No healthy backend in pool `{ex.pool}`.",
+            raise NoBackendAvailable(f"No healthy backend in pool `{up.pool}`.",
                                      retry_after_s=1)
         raise UpstreamError(
-            f"Could not reach any backend of pool `{ex.pool}` "
+            f"Could not reach any backend of pool `{up.pool}` "
             f"({ex.attempts} tried; last: {last_error}).")
 
-    async def _open(self, ex: Exchange, backend: Backend) -> aiohttp.ClientResponse | None:
-        url = backend.chat_url if ex.endpoint == "chat" else backend.completions_url
-        headers = {"content-type": "application/json", "x-request-id": ex.request_id,
+    async def _open(self, up: Upstream, backend: Backend) -> aiohttp.ClientResponse | None:
+        url = backend.chat_url if up.endpoint == "chat" else backend.completions_url
+        headers = {"content-type": "application/json", "x-request-id": up.request_id,
                    "accept-encoding": "identity"}
         if backend.auth_header:
             headers["authorization"] = backend.auth_header
         try:
-            return await self.session.post(url, data=ex.body, headers=headers,
+            return await self.session.post(url, data=up.body, headers=headers,
                                            timeout=self.timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
@@ -137,34 +144,33 @@ class Forwarder:
             self.backends.record_failure(backend, "timeout", "connect timeout")
             return None
 
-    async def _relay(self, ex: Exchange, backend: Backend, resp: aiohttp.ClientResponse,
-                     send: Send) -> None:
+    async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
+                     resp: aiohttp.ClientResponse, send: Send) -> None:
         ex.status = resp.status
         for name in _PASS_HEADERS:
             value = resp.headers.get(name)
             if value is not None:
                 ex.upstream_headers[name] = value
         if resp.status >= 500 and resp.status != 503:
-            body = await self._read_body(ex, backend, resp)
+            body = await self._read_body(backend, resp)
             self.backends.record_failure(backend, "status_5xx", f"HTTP {resp.status}")
             raise UpstreamError(
                 f"The engine `{backend.name}` failed with HTTP {resp.status}: "
                 f"{_error_message(body)}", backend=backend.name)
-        if resp.status != 200 or not ex.stream:
-            body = await self._read_body(ex, backend, resp)
+        if resp.status != 200 or not up.stream:
+            body = await self._read_body(backend, resp)
             if resp.status == 200:
                 self.backends.record_success(backend)
                 _parse_usage(ex, body)
             ex.first_byte = ex.finished = self.loop.time()
-            if ex.on_first_byte is not None:
-                ex.on_first_byte()
-            await self._start(ex, send, resp.status, len(body))
+            if up.on_first_byte is not None:
+                up.on_first_byte()
+            await self._start(up, ex, send, resp.status, len(body))
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        await self._stream(ex, backend, resp, send)
+        await self._stream(up, ex, backend, resp, send)
 
-    async def _read_body(self, ex: Exchange, backend: Backend,
-                         resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_body(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -173,9 +179,9 @@ class Forwarder:
             raise UpstreamError(f"The engine `{backend.name}` broke off its answer: "
                                 f"{_describe(exc)}") from None
 
-    async def _start(self, ex: Exchange, send: Send, status: int,
+    async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
-        headers = list(ex.response_headers)
+        headers = list(up.response_headers)
         if ex.backend is not None:
             headers.append((b"x-gateway-backend", ex.backend.name.encode()))
         for name, value in ex.upstream_headers.items():
@@ -187,11 +193,12 @@ class Forwarder:
         ex.response_started = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _stream(self, ex: Exchange, backend: Backend, resp: aiohttp.ClientResponse,
-                      send: Send) -> None:
-        await self._start(ex, send, 200, None)
+    async def _stream(self, up: Upstream, ex: Relay, backend: Backend,
+                      resp: aiohttp.ClientResponse, send: Send) -> None:
+        await self._start(up, ex, send, 200, None)
         content = resp.content
         loop_time = self.loop.time
+        strip_usage = up.strip_usage
         usage_frame = b""
         try:
             while True:
@@ -200,13 +207,13 @@ class Forwarder:
                     break
                 if ex.first_byte is None:
                     ex.first_byte = loop_time()
-                    if ex.on_first_byte is not None:
-                        ex.on_first_byte()
+                    if up.on_first_byte is not None:
+                        up.on_first_byte()
                 # Kept on the exchange as it goes: the latency guard reads streams in flight.
                 ex.sse_events += chunk.count(b"data:")
                 if b'"usage":{' in chunk:
                     usage_frame = chunk
-                    if ex.strip_usage:
+                    if strip_usage:
                         chunk = _without_usage_frame(chunk)
                         if not chunk:
                             continue
@@ -230,7 +237,7 @@ class Forwarder:
                 _parse_usage(ex, usage_frame)
 
 
-def _parse_usage(ex: Exchange, body: bytes) -> None:
+def _parse_usage(ex: Relay, body: bytes) -> None:
     m = _USAGE_PROMPT.search(body)
     if m:
         ex.prompt_tokens = int(m.group(1))
@@ -265,4 +272,4 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-__all__ = ["ClientGone", "Exchange", "Forwarder", "GatewayError"]
+__all__ = ["ClientGone", "Forwarder", "Relay", "Send", "Upstream"]

@@ -1,4 +1,4 @@
-"""Request -> pool -> backend. Plain code; knows nothing of HTTP.
+"""Request -> pool -> backend: every choice of where a request goes. Plain code; no HTTP.
 
 A pool takes the models it lists and the prompt lengths in its range (`prompt_tokens_min` to
 `prompt_tokens_max`), so long-context requests go to a dedicated pool and never stall chat
@@ -6,17 +6,52 @@ decode. Among the pools that fit, the first with a healthy backend wins. When a 
 healthy backend and names an `overflow_to` pool, its requests go there under that pool's cap
 on concurrent overflowed requests; otherwise they are refused with 503.
 
+Within a pool, the backend is chosen by one of two orders, both here: admission places a
+reservation on the backend with the most KV headroom (`most_headroom_first`); where nothing is
+reserved (admission off, the static rule, a retry after a connect failure) the backend with
+the fewest requests in flight from this gateway wins (`least_outstanding`).
+
 A request no pool can hold (prompt + max output over every pool's `max_model_len`) is refused
 with 400 `context_length_exceeded` before any backend sees it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from gateway.backends import Backend, Backends
 from gateway.errors import InvalidRequest, ModelNotFound, NoBackendAvailable
 from gateway.policy import ModelSpec, Policy
+
+
+class _Loaded(Protocol):
+    @property
+    def outstanding(self) -> int: ...
+
+
+class _Roomy(Protocol):
+    @property
+    def headroom(self) -> int: ...
+
+
+L = TypeVar("L", bound=_Loaded)
+R = TypeVar("R", bound=_Roomy)
+
+
+def least_outstanding(candidates: Iterable[L]) -> L | None:
+    """The candidate with the fewest requests in flight (the first of equals).
+
+    Least-outstanding beats round robin for LLM traffic: requests differ in length by orders
+    of magnitude, so equal counts of requests are far from equal load.
+    """
+    return min(candidates, key=lambda c: c.outstanding, default=None)
+
+
+def most_headroom_first(candidates: Sequence[R]) -> list[R]:
+    """Candidates by KV headroom, most first (equals keep their policy order)."""
+    return sorted(candidates, key=lambda c: c.headroom, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,4 +111,7 @@ class Router:
             spec.prompt_tokens_max is None or prompt_tokens < spec.prompt_tokens_max)
 
     def pick(self, pool: str, exclude: tuple[Backend, ...] = ()) -> Backend | None:
-        return self.backends.pick(pool, exclude)
+        """Where to send a request nothing was reserved for, or a retry (not `exclude`)."""
+        now = self.backends.clock()
+        return least_outstanding(b for b in self.backends.pools[pool]
+                                 if b not in exclude and b.available(now))

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
+from gateway.admission.decision import AskView, place
 from gateway.admission.guard import LatencyGuard, combine, verdict
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.api.errors import headers_of
@@ -302,10 +303,10 @@ def test_stale_engine_sample_is_unknown() -> None:
     adm, clock, _ = make(POLICY.replace("queue_size: 2", "queue_size: 2, waiting_max: 1"))
     adm.scraper.samples[("default", "a")] = parse_engine_metrics(
         'vllm:num_requests_waiting{model_name="m"} 9\n', "vllm", clock.now)
-    assert adm._engine_full(adm.pools["default"], "a") == "engine_waiting"
+    assert adm.capacity.engine_full(adm.pools["default"], "a") == "engine_waiting"
     clock.now += 6  # older than metrics_max_age_s (5 s): unknown, not "full" nor "idle"
     assert adm.scraper.fresh("default", "a") is None
-    assert adm._engine_full(adm.pools["default"], "a") is None
+    assert adm.capacity.engine_full(adm.pools["default"], "a") is None
 
 
 def test_static_rule_sheds_on_engine_signals_only() -> None:
@@ -341,12 +342,12 @@ def test_overbooking_is_learned_from_the_engines_usage() -> None:
     # ...while the engine's own usage stays the hard line.
     adm.scraper.samples[("default", "a")] = parse_engine_metrics(
         'vllm:kv_cache_usage_perc{model_name="m"} 0.95\n', "vllm", clock.now)
-    assert adm._engine_full(ps, "a") is None  # kv_usage_max is 1.0 in this policy
+    assert adm.capacity.engine_full(ps, "a") is None  # kv_usage_max is 1.0 in this policy
     tight, clock3, _ = make(POLICY.replace("kv_usage_max: 1.0", "kv_usage_max: 0.9"))
     tight.pools["default"].overbook["a"] = 1.5
     tight.scraper.samples[("default", "a")] = parse_engine_metrics(
         'vllm:kv_cache_usage_perc{model_name="m"} 0.95\n', "vllm", clock3.now)
-    assert tight._engine_full(tight.pools["default"], "a") == "engine_kv"
+    assert tight.capacity.engine_full(tight.pools["default"], "a") == "engine_kv"
     # An idle engine teaches nothing.
     adm2, clock2, _ = make()
     adm2.on_engine_sample("default", "a", parse_engine_metrics(
@@ -362,8 +363,9 @@ def test_prefill_backlog_holds_prompts_until_first_tokens_come_back() -> None:
         first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
         assert ps.prefill["a"] == 600
         # 600 more would put 1,200 prompt tokens ahead of the engine's next first token.
-        ticket, reason = await adm._try(ps, Ask("default", 1, 700, prompt_tokens=600))
-        assert ticket is None and reason == "prefill_tokens"
+        placed = place(adm.view(Ask("default", 1, 700, prompt_tokens=600)),
+                       AskView(1, 700))
+        assert placed.backend is None and placed.reason == "prefill_tokens"
         assert adm.preview(Ask("default", 1, 700, prompt_tokens=600))["reason"] == \
             "prefill_tokens"
         adm.prefill_done(first)  # its first token came back: its prompt is prefilled
@@ -379,7 +381,7 @@ def test_prefill_backlog_holds_prompts_until_first_tokens_come_back() -> None:
         # Two replicas alive: each holds half the limit, as it sees only its own streams.
         adm.replicas = 2
         third = await adm.admit(Ask("default", 1, 500, prompt_tokens=400))
-        assert adm._prefill_full(ps, "a", 200) and not adm._prefill_full(ps, "a", 100)
+        assert adm.capacity.prefill_full(ps, "a", 200) and not adm.capacity.prefill_full(ps, "a", 100)
         await adm.release(third)
         assert adm.metrics.prefill_tokens_pending.labels("default", "a")._value.get() == 0
 

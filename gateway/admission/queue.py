@@ -65,6 +65,12 @@ class FairQueue:
         floor = min((self.served.get(w.caller, 0.0) for w in self.waiters), default=0.0)
         return max(self.served.get(caller, 0.0), floor)
 
+    def admits(self, priority: int) -> bool:
+        """Would `push` take a newcomer of `priority`: room, or a less important waiter to
+        push out?"""
+        return len(self.waiters) < self.size or any(w.priority > priority
+                                                    for w in self.waiters)
+
     def push(self, w: Waiter) -> Waiter | None:
         """Add a waiter; return the one pushed out to make room, if any (or `w` itself)."""
         self.served[w.caller] = self._lift(w.caller)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -20,10 +20,28 @@ from starlette.routing import Route
 
 from gateway.auth import bearer
 from gateway.protocol import error_body
+from gateway.runtime import Runtime
 from gateway.serving.workers import PARENT_ENV
 
-if TYPE_CHECKING:
-    from gateway.app import GatewayApp
+
+class ReloadOutcome(Protocol):
+    ok: bool
+    problems: list[str]
+
+
+class GatewayApp(Protocol):
+    """What the admin API reads and drives of the running gateway (gateway/app.py's
+    GatewayApp); a protocol, so this module needs nothing of the app that mounts it."""
+
+    runtime: Runtime | None
+    policy_path: str | None
+    loaded_at: float
+    reloads: dict[str, int]
+    last_reload_error: str | None
+
+    async def reload(self) -> ReloadOutcome: ...
+
+    async def check_reload(self) -> ReloadOutcome: ...
 
 ADMIN_KEY_ENV = "GATEWAY_ADMIN_KEY"
 

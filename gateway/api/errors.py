@@ -19,12 +19,11 @@ from gateway.errors import (
     ModelNotFound,
     Overloaded,
     QuotaExceeded,
-    RateWindow,
     RequestTimeout,
     Unauthorized,
     UpstreamError,
 )
-from gateway.protocol import error_body
+from gateway.protocol import error_body, rate_limit_headers
 
 # Most specific first is not needed: the class's own entry, else its nearest ancestor's.
 _STATUS: dict[type[GatewayError], tuple[int, str]] = {
@@ -77,10 +76,3 @@ def headers_of(err: GatewayError) -> list[tuple[bytes, bytes]]:
     if isinstance(err, UpstreamError) and err.backend is not None:
         out.append((b"x-gateway-backend", err.backend.encode()))
     return out
-
-
-def rate_limit_headers(window: RateWindow) -> list[tuple[bytes, bytes]]:
-    """OpenAI's x-ratelimit-* for tokens, from the tightest bucket's state."""
-    return [(b"x-ratelimit-limit-tokens", b"%d" % window.limit),
-            (b"x-ratelimit-remaining-tokens", b"%d" % max(0, window.remaining)),
-            (b"x-ratelimit-reset-tokens", f"{window.reset_s:.3f}s".encode())]

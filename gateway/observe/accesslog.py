@@ -20,7 +20,7 @@ from typing import TextIO
 
 import orjson
 
-from gateway.proxy import Exchange
+from gateway.observe.record import Record
 
 access = logging.getLogger("gateway.access")
 
@@ -100,31 +100,33 @@ def configure_logging(level: str = "info") -> None:
     root.propagate = False
 
 
-def log_exchange(ex: Exchange, client_gone: bool) -> None:
+def log_record(rec: Record, client_gone: bool) -> None:
     if not access.isEnabledFor(logging.INFO):
         return
-    end = ex.finished if ex.finished is not None else ex.arrival
+    ex = rec.relay
+    end = ex.finished if ex.finished is not None else rec.arrival
     line = {
         "event": "request",
-        "id": ex.request_id,
-        "endpoint": ex.endpoint,
-        "model": ex.model,
-        "pool": ex.pool,
-        "tenant": ex.tenant,
+        "id": rec.request_id,
+        "endpoint": rec.endpoint,
+        "model": rec.model,
+        "pool": rec.pool,
+        "tenant": rec.tenant,
         "backend": ex.backend.name if ex.backend else None,
-        "status": ex.status,
-        "stream": ex.stream,
+        "status": rec.status,
+        "stream": rec.stream,
         "attempts": ex.attempts,
         "prompt_tokens": ex.prompt_tokens,
-        "prompt_tokens_estimated": ex.estimated_prompt_tokens,
+        "prompt_tokens_estimated": rec.estimated_prompt_tokens,
         "completion_tokens": ex.completion_tokens,
-        "ttft_ms": round((ex.first_byte - ex.arrival) * 1000, 1) if ex.first_byte else None,
-        "duration_ms": round((end - ex.arrival) * 1000, 1),
+        "ttft_ms": round((ex.first_byte - rec.arrival) * 1000, 1) if ex.first_byte else None,
+        "duration_ms": round((end - rec.arrival) * 1000, 1),
     }
     if client_gone:
         line["client_disconnected"] = True
-    if ex.error:
-        line["error"] = ex.error
+    error = rec.error or ex.error
+    if error:
+        line["error"] = error
     access.info(orjson.dumps(line).decode())
 
 

@@ -1,0 +1,168 @@
+"""The admission decision as one pure function over a snapshot of a pool.
+
+`decide(view, ask)` is the only place that says admit, queue or reject, and why. The real path
+(`Admission.admit`) and the preview (`/gateway/estimate`) both build a `PoolView` of the pool as
+it stands and call it, so the two cannot drift. The real path then acts: it reserves on the
+chosen backend in the state backend, whose check-and-reserve is atomic across replicas and
+applies the very limits the view carries (`limits_for`); a replica that lost a race sees the
+store's refusal, refreshes its view and decides again.
+
+The checks, in order:
+1. mode `disabled`: the least-loaded available backend, nothing reserved;
+2. no backend available: reject (`no_backend`);
+3. a request overflowed from a long-context pool beyond the overflow cap: reject;
+4. mode `static`: the least-loaded backend whose engine is under the static rule, else reject;
+5. placement (`place`): backends by KV headroom, most first; a backend is skipped when its
+   engine's own report or its prefill backlog rules it out; the first where the reservation
+   fits its block limit, the pool's in-flight tokens and the tenant's share takes it;
+6. nothing placed: queue when the queue has room and the predicted wait fits the deadline,
+   else reject with the reason that tells why;
+7. mode `shadow`: whatever 1-6 said is recorded, and the request is admitted anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.routing import least_outstanding, most_headroom_first
+
+Mode = Literal["enforce", "static", "shadow", "disabled"]
+Action = Literal["admit", "queue", "reject"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    name: str
+    available: bool
+    limit_blocks: int  # what our reservations may take here (kv_usage_max, overbooking, ...)
+    reserved_blocks: int
+    outstanding: int  # requests this gateway has in flight there
+    ruled_out: str | None  # the engine's report or its prefill backlog excludes it, and why
+    over_static_rule: bool  # the engine reports more waiting or KV than the static rule allows
+
+    @property
+    def headroom(self) -> int:
+        return self.limit_blocks - self.reserved_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    name: str
+    mode: Mode
+    backends: tuple[BackendView, ...]
+    reserved_tokens: int
+    token_limit: int | None  # the in-flight token limit when it binds (policy, or guard's cut)
+    tenant_held: int  # blocks the asking tenant holds on this pool
+    tenant_max: int | None  # the most it may hold, when its share is enforced
+    overflow_inflight: int
+    overflow_cap: int | None  # for a request that overflowed here: how many may run at once
+    queue_size: int
+    queue_admits: bool  # the queue has room for this ask, or someone less important to shed
+    predicted_wait_s: float
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    backend: str | None
+    reason: str  # "fits", or why no backend took it
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str  # what refused it (or "fits"); for a rejection, x-gateway-reason
+    backend: str | None = None
+    cause: str | None = None  # for a queue-stage rejection: what was full in the first place
+    enforced: Decision | None = None  # shadow mode: what enforcing would have done
+
+
+@dataclass(frozen=True, slots=True)
+class AskView:
+    """The parts of a request the decision reads."""
+
+    blocks: int
+    tokens: int
+    overflow: bool = False
+
+
+def reservation_blocks(ask_blocks: int, limit_blocks: int) -> int:
+    """A reservation larger than a whole backend would never fit: capped at the limit, so the
+    request runs alone rather than waiting forever."""
+    return min(ask_blocks, max(1, limit_blocks))
+
+
+def fits(view: PoolView, backend: BackendView, ask: AskView) -> str | None:
+    """None when `ask` fits on `backend`, else the limit it hits. The state backends check
+    the same three limits, in the same order, atomically (gateway/state/)."""
+    blocks = reservation_blocks(ask.blocks, backend.limit_blocks)
+    if backend.reserved_blocks + blocks > backend.limit_blocks:
+        return "kv_blocks"
+    # Alone on an empty pool a request is admitted whatever its tokens, so the token limit
+    # can never starve a large request forever.
+    if view.token_limit is not None and view.reserved_tokens > 0 \
+            and view.reserved_tokens + ask.tokens > view.token_limit:
+        return "inflight_tokens"
+    if view.tenant_max is not None and view.tenant_held > 0 \
+            and view.tenant_held + blocks > view.tenant_max:
+        return "tenant_share"
+    return None
+
+
+def place(view: PoolView, ask: AskView) -> Placement:
+    """The backend that takes `ask` now, most KV headroom first; or why none does."""
+    reason = "kv_blocks"
+    for b in most_headroom_first([b for b in view.backends if b.available]):
+        if b.ruled_out is not None:
+            reason = b.ruled_out
+            continue
+        refused = fits(view, b, ask)
+        if refused is None:
+            return Placement(b.name, "fits")
+        reason = refused
+        if refused == "inflight_tokens":  # pool-wide: no other backend can do better
+            break
+    return Placement(None, reason)
+
+
+def decide(view: PoolView, ask: AskView) -> Decision:
+    available = [b for b in view.backends if b.available]
+    if view.mode == "disabled":
+        chosen = least_outstanding(available)
+        return Decision("admit", "admission_disabled", chosen.name) if chosen \
+            else Decision("reject", "no_backend")
+    if not available:
+        return Decision("reject", "no_backend")
+    if ask.overflow and view.overflow_cap is not None \
+            and view.overflow_inflight >= view.overflow_cap:
+        return Decision("reject", "overflow_cap")
+    if view.mode == "static":
+        chosen = least_outstanding([b for b in available if not b.over_static_rule])
+        return Decision("admit", "static_rule", chosen.name) if chosen \
+            else Decision("reject", "static_rule")
+    enforced = _enforce(view, ask)
+    if view.mode == "shadow":
+        if enforced.action == "admit":
+            return Decision("admit", enforced.reason, enforced.backend, enforced=enforced)
+        forced = max(available, key=lambda b: b.headroom)
+        return Decision("admit", "shadow", forced.name, enforced=enforced)
+    return enforced
+
+
+def _enforce(view: PoolView, ask: AskView) -> Decision:
+    placed = place(view, ask)
+    if placed.backend is not None:
+        return Decision("admit", "fits", placed.backend)
+    return after_placement(view, placed.reason)
+
+
+def after_placement(view: PoolView, cause: str) -> Decision:
+    """The queue stage, for a request no backend takes now because of `cause`."""
+    if view.queue_size == 0 or view.deadline_s <= 0:
+        return Decision("reject", cause, cause=cause)
+    if view.predicted_wait_s > view.deadline_s:
+        return Decision("reject", "predicted_wait", cause=cause)
+    if not view.queue_admits:
+        return Decision("reject", "queue_full", cause=cause)
+    return Decision("queue", cause)

@@ -1,0 +1,79 @@
+"""What admission keeps per pool, what it is asked, and what it hands back."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gateway.admission.decision import Mode
+from gateway.admission.guard import LatencyGuard
+from gateway.admission.queue import PRIORITIES, FairQueue
+from gateway.admission.thresholds import Thresholds
+from gateway.backends import Backend
+from gateway.policy.model import PoolSpec
+from gateway.signals.quantiles import WindowedQuantiles
+from gateway.signals.streams import LiveStreams, Watched
+from gateway.state import Lease, StateBackend
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What admission needs to know of a request."""
+
+    pool: str
+    blocks: int  # KV blocks to reserve (prompt + expected output)
+    tokens: int  # tokens of work (prompt + expected output)
+    priority: int = PRIORITIES["standard"]
+    caller: str = "anonymous"
+    deadline_s: float | None = None  # a client's shorter queue deadline
+    overflow: bool = False
+    tenant: str = ""
+    tenant_share: float | None = None  # the tenant's max share of the pool's KV budget
+    tenant_shadow: bool = False  # the tenant's share is counted, not enforced
+    prompt_tokens: int = 0  # what its engine must prefill before the first token
+
+
+@dataclass(eq=False)
+class Ticket:
+    pool: str
+    backend: Backend
+    lease: Lease | None
+    store: StateBackend | None
+    decision: str  # "admitted" | "queued"
+    reason: str
+    queue_s: float = 0.0
+    overflow: bool = False
+    watched: Watched | None = None  # followed by the latency guard while it streams
+    prefill: int = 0  # prompt tokens counted in its backend's prefill backlog until 1st byte
+
+
+@dataclass(eq=False)
+class PoolState:
+    name: str
+    spec: PoolSpec
+    thresholds: Thresholds
+    queue: FairQueue
+    guard: LatencyGuard
+    ttft: WindowedQuantiles
+    tpot: WindowedQuantiles
+    live: LiveStreams
+    capacity: dict[str, int] = field(default_factory=dict)  # backend -> KV blocks
+    reserved: dict[str, int] = field(default_factory=dict)  # last known, backend -> blocks
+    reserved_tokens: int = 0
+    prefill: dict[str, int] = field(default_factory=dict)  # backend -> tokens before 1st byte
+    drained_tokens: float = 0.0
+    drain_rate: float = 0.0  # tokens/s released, EWMA
+    overflow_inflight: int = 0
+    overflow_cap: int = 0  # overflowed long requests this pool runs at once
+    overbook: dict[str, float] = field(default_factory=dict)  # backend -> reserved / used
+    tenant_blocks: dict[str, int] = field(default_factory=dict)  # this replica's, for shadow
+    drain_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def mode(self) -> Mode:
+        a = self.spec.admission
+        if not a.enabled:
+            return "disabled"
+        if a.mode == "static":
+            return "static"
+        return "shadow" if a.shadow else "enforce"

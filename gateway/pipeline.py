@@ -1,0 +1,495 @@
+"""One request, top to bottom: the gateway's stages in the order they run, as plain code.
+
+    identify   key -> tenant, priority, the caller's queue deadline       gateway/auth.py
+    read       the body, bounded in size and time                           the transport's Client
+    parse      JSON shape limits, then the fields the gateway needs         gateway/protocol.py
+    count      prompt tokens, with the model's tokenizer and chat template  gateway/cost/
+    route      model + prompt length -> pool                                gateway/routing.py
+    estimate   KV blocks and token work                                     gateway/cost/work.py
+    quota      the tenant's token buckets                                   gateway/quotas.py
+    admit      admit now, queue, or refuse                                  gateway/admission/
+    forward    to the engine, the answer streamed back as it comes          gateway/proxy.py
+    observe    metrics, access log, accounting, the latency guard           gateway/observe/
+    release    the reservation and the quota, whatever ended the request
+
+`serve` runs them all for `/v1/chat/completions` and `/v1/completions`; `preview` runs them up
+to the admission decision for `/gateway/estimate`, through the very same stage functions, and
+asks admission what it would decide without reserving. Nothing here speaks ASGI: the transport
+hands in a `Client` (read the body, send an error, whether the caller has gone) and the
+forwarder writes the engine's answer through the client's `send`. Refusals are the domain
+errors of gateway/errors.py; the client turns them into HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import orjson
+
+from gateway.admission.pool import Ask, Ticket
+from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate, openai_messages
+from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
+from gateway.observe.accesslog import log_record, log_rejection
+from gateway.observe.record import Record
+from gateway.policy import ModelSpec
+from gateway.policy.model import TenantSpec
+from gateway.profiles import ModelProfile, get_model
+from gateway.protocol import (
+    ChatCompletionRequest,
+    Endpoint,
+    ParsedRequest,
+    parse_request,
+    rate_limit_headers,
+)
+from gateway.proxy import ClientGone, Relay, Send, Upstream
+from gateway.quotas import QuotaTicket
+from gateway.routing import Route
+from gateway.runtime import Runtime
+
+log = logging.getLogger("gateway.api")
+
+_FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
+# Arguments of the chat-template render that the gateway passes itself: a caller's
+# `chat_template_kwargs` setting one would clash with it (a TypeError, before: a 500).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
+                                       "special_tokens"})
+
+Headers = Mapping[bytes, bytes]
+
+
+class Client(Protocol):
+    """The caller, as the transport presents it to the pipeline."""
+
+    send: Send  # where the forwarder writes the engine's answer
+
+    @property
+    def gone(self) -> bool:
+        """The caller disconnected."""
+
+    async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        """The whole body; BodyTooLarge, RequestTimeout or ClientGone otherwise."""
+
+    async def reply_error(self, err: GatewayError, response_started: bool) -> int:
+        """Answer with `err` unless the answer has started or the caller has gone; return
+        its HTTP status either way."""
+
+    def detach(self) -> None:
+        """Stop listening for a disconnect: from here on only the release is left to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """What arrived, before anything is read: the request line and the headers we read."""
+
+    endpoint: Endpoint | None  # None: told by the body (`/gateway/estimate`)
+    request_id: str
+    arrival: float  # loop time
+    headers: Headers
+
+
+# --- what each stage finds ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: TenantSpec
+    priority: int
+    deadline_s: float | None  # the caller's own limit on queueing
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: int  # of the longest prompt
+    prompts: int
+    exact: bool
+    chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
+
+    cost: RequestCost
+    sequences: int  # prompts x n: the engine runs each as its own sequence
+
+    @property
+    def blocks(self) -> int:
+        return self.cost.kv_blocks_reserved * self.sequences
+
+    @property
+    def tokens(self) -> int:
+        return (self.cost.prompt_tokens + self.cost.expected_output_tokens) * self.sequences
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request read, counted, routed and estimated: everything admission is asked about."""
+
+    caller: Caller
+    endpoint: Endpoint
+    model: ModelSpec
+    body: bytes
+    data: dict[str, Any]
+    parsed: ParsedRequest
+    prompt: Prompt
+    route: Route
+    work: Work
+
+    def ask(self) -> Ask:
+        t = self.caller.tenant
+        return Ask(self.route.pool, self.work.blocks, self.work.tokens,
+                   priority=self.caller.priority, caller=t.name,
+                   deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
+                   tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
+                   prompt_tokens=self.prompt.tokens)
+
+
+# --- the pipeline -------------------------------------------------------------------------------
+
+class Pipeline:
+    """The stages over one runtime (the policy in force and what it built)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    # identify ---------------------------------------------------------------------------------
+
+    def identify(self, headers: Headers) -> Caller:
+        tenants = self.rt.tenants
+        tenant = tenants.identify(headers.get(b"authorization"))
+        return Caller(tenant, tenants.priority(tenant, headers.get(b"x-priority")),
+                      client_deadline(headers))
+
+    # read and parse ---------------------------------------------------------------------------
+
+    async def read(self, client: Client) -> bytes:
+        server = self.rt.policy.server
+        return await client.read_body(server.max_body_bytes, server.body_timeout_s)
+
+    def parse(self, body: bytes, endpoint: Endpoint | None
+              ) -> tuple[Endpoint, dict[str, Any], ParsedRequest]:
+        server = self.rt.policy.server
+        if endpoint is None:
+            endpoint = _endpoint_of(body)
+        data, parsed = parse_request(body, endpoint, server.max_json_depth,
+                                     server.max_json_items)
+        return endpoint, data, parsed
+
+    # count ------------------------------------------------------------------------------------
+
+    async def count(self, model: ModelSpec, data: dict[str, Any],
+                    parsed: ParsedRequest) -> Prompt:
+        counter = self.rt.counters[model.name]
+        try:
+            if isinstance(parsed, ChatCompletionRequest):
+                # vLLM's normalisation first (null content, text parts, tool-call arguments),
+                # so the count is the engine's count.
+                tc = await counter.measure_chat(openai_messages(data["messages"]),
+                                                data.get("tools"),
+                                                **template_kwargs(data))
+                return Prompt(tc.tokens, 1, tc.exact, tc.chars)
+            counts = await counter.measure_prompt(data["prompt"])
+        except RequestCostError as exc:
+            raise InvalidRequest(str(exc), param=exc.param,
+                                 code="prompt_too_long" if isinstance(exc, PromptTooLong)
+                                 else "invalid_value") from None
+        return Prompt(max(c.tokens for c in counts), len(counts), all(c.exact for c in counts),
+                      sum(c.chars for c in counts))
+
+    # route ------------------------------------------------------------------------------------
+
+    def route(self, model: ModelSpec, prompt: Prompt, parsed: ParsedRequest) -> Route:
+        return self.rt.router.route(model, prompt.tokens, parsed.output_limit)
+
+    # estimate ---------------------------------------------------------------------------------
+
+    def estimate(self, model: ModelSpec, route: Route, prompt: Prompt,
+                 parsed: ParsedRequest) -> Work:
+        rt = self.rt
+        pool = rt.policy.pools[route.pool]
+        try:
+            cost = estimate(
+                prompt.tokens, parsed.output_limit, profile_of(model),
+                block_size=pool.block_size, tp=pool.tp,
+                default_max_tokens=pool.max_tokens_default or rt.policy.defaults.max_tokens,
+                expected_output=rt.output_lengths[model.name], kv_dtype=model.kv_cache_dtype,
+                max_model_len=pool.max_model_len)
+        except RequestCostError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+        return Work(cost, prompt.prompts * (parsed.n or 1))
+
+    # identify -> read -> parse -> count -> route -> estimate ----------------------------------
+
+    async def prepare(self, inbound: Inbound, client: Client,
+                      on_read: Callable[[], None] | None = None) -> Prepared:
+        """The stages before any state changes; the same for serving and for previewing."""
+        caller = self.identify(inbound.headers)
+        body = await self.read(client)
+        if on_read is not None:
+            on_read()
+        endpoint, data, parsed = self.parse(body, inbound.endpoint)
+        model = self.rt.router.model(parsed.model)
+        self.rt.tenants.check_model(caller.tenant, model.name)
+        prompt = await self.count(model, data, parsed)
+        route = self.route(model, prompt, parsed)
+        work = self.estimate(model, route, prompt, parsed)
+        return Prepared(caller, endpoint, model, body, data, parsed, prompt, route, work)
+
+    # preview: /gateway/estimate ---------------------------------------------------------------
+
+    async def preview(self, inbound: Inbound, client: Client) -> dict[str, Any]:
+        """What `serve` would do with this request now, up to the admission decision."""
+        p = await self.prepare(inbound, client)
+        return {
+            "model": p.model.name,
+            "endpoint": p.endpoint,
+            "tenant": p.caller.tenant.name,
+            "priority": p.caller.priority,
+            "deadline_s": p.caller.deadline_s,
+            "pool": p.route.pool,
+            "overflow": p.route.overflow,
+            "prompt_tokens": p.prompt.tokens,
+            "exact": p.prompt.exact,
+            "sequences": p.work.sequences,
+            "reserve_blocks": p.work.blocks,
+            "reserve_tokens": p.work.tokens,
+            "cost": p.work.cost.to_dict(),
+            "decision": self.rt.admission.preview(p.ask()),
+        }
+
+    # serve: quota -> admit -> forward -> observe -> release -----------------------------------
+
+    async def serve(self, inbound: Inbound, client: Client,
+                    on_read: Callable[[], None] | None = None) -> None:
+        """The whole request. Whatever ends it (an answer, a refusal, the caller leaving, an
+        engine failing, a bug), its reservation and quota are released and it is observed;
+        the caller gets an answer in OpenAI's error shape for anything but a full answer."""
+        rt = self.rt
+        record: Record | None = None
+        ticket: Ticket | None = None
+        quota: QuotaTicket | None = None
+        forward_start = 0.0
+        task = asyncio.current_task()
+        try:
+            p = await self.prepare(inbound, client, on_read)
+            quota = await rt.quotas.take(p.caller.tenant, p.work.tokens, p.route.pool)
+            upstream_body, strip_usage = self._upstream_body(p)
+            ticket = await rt.admission.admit(p.ask())
+            relay = Relay()
+            record = Record(inbound.request_id, p.endpoint, p.model.name, p.route.pool,
+                            p.caller.tenant.name, bool(p.parsed.stream), inbound.arrival,
+                            p.prompt.tokens, relay)
+            up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
+                          bool(p.parsed.stream), _answer_headers(inbound, p, ticket, quota),
+                          strip_usage, partial(rt.admission.prefill_done, ticket))
+            forward_start = asyncio.get_running_loop().time()
+            await self._forward(p, up, relay, ticket, client.send, forward_start)
+        except asyncio.CancelledError:
+            if not client.gone:
+                raise
+            if task is not None:
+                task.uncancel()  # the caller left: handled here, not an error of ours
+        except ClientGone:
+            pass
+        except GatewayError as err:
+            await self._refused(inbound, client, record, err)
+        except Exception:
+            log.exception("unexpected error in request %s", inbound.request_id)
+            await self._refused(inbound, client, record, InternalError(
+                f"Internal gateway error (request id {inbound.request_id})."))
+        finally:
+            client.detach()
+            # Shielded: a second cancellation must not leak a reservation or a quota.
+            if ticket is not None:
+                await asyncio.shield(rt.admission.release(ticket))
+            if quota is not None:
+                await asyncio.shield(rt.quotas.settle(quota, tokens_used(record)))
+        if record is not None:
+            self.observe(record, client.gone, forward_start)
+
+    def _upstream_body(self, p: Prepared) -> tuple[bytes, bool]:
+        """The body the engine gets: the pool's model name, and a usage frame asked for."""
+        data, parsed = p.data, p.parsed
+        strip_usage = False
+        if parsed.stream and not (parsed.stream_options and parsed.stream_options.include_usage):
+            # Ask the engine for its usage frame so tokens are counted as the engine counts
+            # them; the caller, who did not ask, never sees it.
+            data["stream_options"] = {**(data.get("stream_options") or {}),
+                                      "include_usage": True}
+            strip_usage = True
+        if p.model.upstream_name == parsed.model and not strip_usage:
+            return p.body, False  # as the caller sent it: no second serialisation
+        data["model"] = p.model.upstream_name
+        return orjson.dumps(data), strip_usage
+
+    async def _forward(self, p: Prepared, up: Upstream, relay: Relay, ticket: Ticket,
+                       send: Send, started: float) -> None:
+        rt = self.rt
+        inflight = rt.metrics.pool_children(up.pool)[3]
+        inflight.inc()
+        if up.stream:
+            rt.admission.watch(ticket, relay, started, p.work.cost.expected_output_tokens)
+        try:
+            await rt.forwarder.forward(up, relay, send, ticket.backend)
+        finally:
+            inflight.dec()
+            self._learn(p, relay)
+            used = usage_of(p.endpoint, up.stream, p.prompt.tokens, relay)
+            if used is not None:
+                rt.accountant.record(up.pool, p.caller.tenant.name, *used, profile_of(p.model),
+                                     rt.backends.pools_inflight(up.pool))
+
+    async def _refused(self, inbound: Inbound, client: Client, record: Record | None,
+                       err: GatewayError) -> None:
+        if record is not None and record.relay.backend is not None \
+                and isinstance(err, UpstreamError) and err.backend is None:
+            err.backend = record.relay.backend.name
+        status = await client.reply_error(
+            err, record is not None and record.relay.response_started)
+        if record is not None:
+            record.status = status
+            record.error = err.message
+        else:
+            self.rt.metrics.request_done("", "", status)
+            log_rejection(inbound.request_id, inbound.endpoint or "", status, err.message)
+
+    # observe ----------------------------------------------------------------------------------
+
+    def _learn(self, p: Prepared, relay: Relay) -> None:
+        """Feed completed requests back: output lengths, and the char ratio of `none`
+        tokenizers."""
+        if relay.status != 200:
+            return
+        rt = self.rt
+        if relay.completion_tokens is not None:
+            rt.output_lengths[p.model.name].observe(relay.completion_tokens)
+        if not p.prompt.exact and relay.prompt_tokens and p.prompt.chars:
+            error = rt.counters[p.model.name].tokenizer.observe(p.prompt.chars,
+                                                                relay.prompt_tokens)
+            rt.metrics.token_estimate_error.labels(p.model.name).observe(abs(error))
+
+    def observe(self, record: Record, gone: bool, forward_start: float) -> None:
+        rt = self.rt
+        relay = record.relay
+        now = asyncio.get_running_loop().time()
+        if not record.status:
+            record.status = relay.status
+        if gone:
+            record.status = 499  # nginx's "client closed request"
+        if relay.finished is None:
+            relay.finished = now
+        duration, ttft, tpot, _ = rt.metrics.pool_children(record.pool)
+        rt.metrics.request_done(record.pool, record.model, record.status)
+        duration.observe(relay.finished - record.arrival)
+        if record.status == 200 and relay.first_byte is not None:
+            ttft.observe(relay.first_byte - record.arrival)
+            tokens = relay.completion_tokens
+            if tokens is None and record.stream:
+                tokens = max(0, relay.sse_events - 2)  # minus the role frame and [DONE]
+            tpot_s = None
+            if record.stream and tokens and tokens > 1:
+                tpot_s = (relay.finished - relay.first_byte) / (tokens - 1)
+                tpot.observe(tpot_s)
+            # The guard watches the engines' latency, without our own queueing in it:
+            # otherwise queueing would read as slowness and shrink the limit that causes it.
+            rt.admission.observe_latency(record.pool, relay.first_byte - forward_start, tpot_s,
+                                         admitted_s_ago=now - forward_start)
+        log_record(record, gone)
+
+
+# --- helpers of the stages ----------------------------------------------------------------------
+
+def client_deadline(headers: Headers) -> float | None:
+    """A caller's own limit on queueing: x-gateway-max-queue-ms, or half the SDK's timeout.
+
+    The official SDKs send their timeout as x-stainless-timeout (seconds); waiting longer than
+    half of it in the queue leaves too little time to generate.
+    """
+    deadline = None
+    raw = headers.get(b"x-gateway-max-queue-ms")
+    if raw:
+        with contextlib.suppress(ValueError):
+            deadline = max(0.0, float(raw) / 1000)
+    raw = headers.get(b"x-stainless-timeout")
+    if raw:
+        with contextlib.suppress(ValueError):
+            half = max(0.0, float(raw) / 2)
+            deadline = half if deadline is None else min(deadline, half)
+    return deadline
+
+
+def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's `chat_template_kwargs`, refused where they would set what we set."""
+    kwargs = data.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object.",
+                             param="chat_template_kwargs", code="invalid_value")
+    clash = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if clash:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(clash)}: the "
+                             "request's own fields set them.", param="chat_template_kwargs",
+                             code="invalid_value")
+    return kwargs
+
+
+def profile_of(model: ModelSpec) -> ModelProfile:
+    return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
+
+
+def usage_of(endpoint: str, stream: bool, estimated_prompt: int,
+             relay: Relay | None) -> tuple[int, int, int] | None:
+    """(prompt, cached, output) tokens the engine spent; None when it never took the request.
+
+    The engine's `usage` when it sent one (the gateway asks every stream for it); for a
+    stream cut short, the prompt as counted here and one output token per streamed event
+    (after the role event that opens a chat stream).
+    """
+    if relay is None or not relay.response_started or relay.status not in (200, 499, 502):
+        return None
+    if relay.prompt_tokens is not None and relay.completion_tokens is not None:
+        return relay.prompt_tokens, relay.cached_tokens or 0, relay.completion_tokens
+    if not stream or relay.first_byte is None:
+        return None
+    opening = 1 if endpoint == "chat" else 0
+    return estimated_prompt, 0, max(0, relay.sse_events - opening)
+
+
+def tokens_used(record: Record | None) -> int | None:
+    if record is None:
+        return None
+    used = usage_of(record.endpoint, record.stream, record.estimated_prompt_tokens,
+                    record.relay)
+    return None if used is None else used[0] + used[2]
+
+
+def _endpoint_of(body: bytes) -> Endpoint:
+    """`/gateway/estimate` takes either body: a `prompt` and no `messages` is a completion."""
+    try:
+        probe = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "chat"  # parse_request answers it with the standard 400
+    return "completions" if isinstance(probe, dict) and "prompt" in probe \
+        and "messages" not in probe else "chat"
+
+
+def _answer_headers(inbound: Inbound, p: Prepared, ticket: Ticket,
+                    quota: QuotaTicket | None) -> list[tuple[bytes, bytes]]:
+    """What the gateway adds to the engine's answer: where it went and how it was decided."""
+    out = [(b"x-request-id", inbound.request_id.encode()),
+           (b"x-gateway-pool", p.route.pool.encode()),
+           (b"x-gateway-decision", ticket.decision.encode()),
+           (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
+           (b"x-gateway-prompt-tokens", b"%d" % p.prompt.tokens)]
+    if quota is not None and quota.window is not None:
+        out += rate_limit_headers(quota.window)
+    return out
+
+
+__all__ = ["Caller", "Client", "Inbound", "Pipeline", "Prepared", "Prompt", "Record", "Work"]

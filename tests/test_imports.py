@@ -1,0 +1,117 @@
+"""The import graph of gateway/: no cycles, no imports hidden in functions to dodge one, and
+the layers point one way (decisions know nothing of HTTP; gateway/ never imports loadtest/).
+
+Every import statement counts, wherever it stands (module level, inside a function, under
+`if TYPE_CHECKING:`), so deferring an import cannot hide a cycle from this test.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gateway"
+
+# Imports inside functions that are there for a reason other than a cycle, and why.
+DEFERRED_OK = {
+    ("gateway.state", "gateway.state.redis"): "redis-py is loaded only when a Redis URL is given",
+    ("gateway.cost.tokenizer", "gateway.cost.hub"): "only hub ids pay for huggingface_hub",
+}
+# Plain-code layers that decide: they must not import the HTTP side.
+DECISIONS = ("gateway.routing", "gateway.admission", "gateway.quotas", "gateway.auth",
+             "gateway.cost", "gateway.errors", "gateway.pipeline")
+HTTP_SIDE = ("gateway.api", "starlette", "uvicorn", "gateway.app", "gateway.serving")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def resolve(name: str) -> str | None:
+    """The gateway module `name` is, or is in (a `from a.b import c` may name a module c)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str) -> list[tuple[str, bool]]:
+    """(imported name, inside a function?) for every import statement of `module`."""
+    tree = ast.parse(MODULES[module].read_text())
+    out: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import):
+                out.extend((a.name, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                out.extend((f"{child.module}.{a.name}", in_function) for a in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module in MODULES:
+        for name, _ in imports(module):
+            target = resolve(name)
+            # A package importing its own submodules, or a module its parent package, is how
+            # packages are built, not a cycle between jobs.
+            if target is not None and target != module and not module.startswith(target + "."):
+                edges[module].add(target)
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := walk(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := walk(node)) is not None:
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_gateway_import_is_deferred_into_a_function_without_a_reason() -> None:
+    deferred = sorted((module, target) for module in MODULES for name, inside in imports(module)
+                      if inside and (target := resolve(name)) is not None)
+    unexplained = [pair for pair in deferred if pair not in DEFERRED_OK]
+    assert not unexplained, f"imports deferred into functions: {unexplained}"
+
+
+def test_decisions_know_nothing_of_http_and_gateway_never_imports_loadtest() -> None:
+    for module in MODULES:
+        names = [name for name, _ in imports(module)]
+        assert not any(n == "loadtest" or n.startswith("loadtest.") for n in names), module
+        if module.startswith(DECISIONS):
+            bad = [n for n in names if n.startswith(HTTP_SIDE)]
+            assert not bad, f"{module} imports {bad}"
