@@ -15,7 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.commands.serve", "run the gateway with a policy file"),
     "check": ("gateway.commands.check", "validate policy files and summarise them"),
     "demo": ("gateway.commands.demo", "run the demo: simulated engines and the gateway"),
-    "plan": ("gateway.plan", "capacity planner: weights, KV budget, concurrency, TP choices"),
+    "plan": ("gateway.planner.plan", "capacity planner: weights, KV budget, concurrency, TP "
+             "choices"),
     "hash-key": ("gateway.commands.hash_key", "print the SHA-256 digest of an API key for the "
                  "policy"),
 }

@@ -15,8 +15,9 @@ output figure then charges the whole spend to output tokens, the way a price per
 tokens is usually quoted, and there is no input figure. Token counts are the report's own (the
 target's `usage` of completed requests), so every figure can be recomputed from the JSON.
 
-The price flags and their messages are `gateway plan`'s (`gateway/plancost.py` checks them);
-that module is imported only when a price is given.
+The price flags, their checks and the spend's split are `gateway/pricing.py`'s, as for
+`gateway plan` and the gateway itself; this module adds `--gpus` (what the target runs on) and
+the report's figures.
 """
 
 from __future__ import annotations
@@ -27,29 +28,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.pricing import PriceError, add_price_arguments, gpu_spend, per_token, price_from_args
+
 COST_KEYS = ("cost_total", "cost_per_million_tokens", "cost_per_million_input_tokens",
              "cost_per_million_output_tokens", "cost_per_million_goodput_tokens",
              "cost_per_million_goodput_input_tokens", "cost_per_million_goodput_output_tokens")
 
 
-class PricingError(ValueError):
-    """A bad price flag; the message names the flag and the rule."""
-
-
-def add_cost_options(p: argparse.ArgumentParser) -> None:
-    """`--gpu-hour` | `--per-gpu-hour`, `--gpus`, `--currency`, `--input-share` (run, sweep)."""
-    cost = p.add_argument_group("cost per token (docs/loadtest.md, Cost)")
-    price = cost.add_mutually_exclusive_group()
-    price.add_argument("--gpu-hour", type=float, metavar="PRICE", help="price per GPU-hour of "
-                       "the target's GPUs")
-    price.add_argument("--per-gpu-hour", metavar="NAME=PRICE,...", help="parts of the price "
-                       "per GPU-hour, summed, e.g. hardware=1.4,power=0.35,operations=0.75")
-    cost.add_argument("--gpus", type=int, metavar="N",
-                      help="GPUs behind the target, busy or idle (required with a price)")
-    cost.add_argument("--currency", default="USD", help="label for the prices (default USD)")
-    cost.add_argument("--input-share", type=float, metavar="F",
-                      help="share of the spend charged to input tokens (default: none; the "
-                           "output figures then carry the whole spend)")
+def add_price_options(p: argparse.ArgumentParser) -> None:
+    """The price flags (`--gpu-hour` | `--per-gpu-hour`, `--currency`, `--input-share`) and
+    `--gpus` (run, sweep)."""
+    group = add_price_arguments(p, "docs/loadtest.md", price_of=" of the target's GPUs",
+                                input_share_default="none; the output figures then carry the "
+                                "whole spend")
+    group.add_argument("--gpus", type=int, metavar="N",
+                       help="GPUs behind the target, busy or idle (required with a price)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,62 +65,50 @@ class Pricing:
 
 
 def parse_pricing(args: argparse.Namespace) -> Pricing | None:
-    """The flags -> Pricing, or None without a price. Namespaces without the flags (calibrate)
-    have no price."""
-    gpu_hour: float | None = getattr(args, "gpu_hour", None)
-    per_gpu_hour: str | None = getattr(args, "per_gpu_hour", None)
+    """The flags -> Pricing, or None without a price; PriceError names the flag. Namespaces
+    without the flags (calibrate) have no price."""
     gpus: int | None = getattr(args, "gpus", None)
-    input_share: float | None = getattr(args, "input_share", None)
-    currency: str = getattr(args, "currency", "USD")
-    if gpu_hour is None and per_gpu_hour is None:
-        if gpus is not None:
-            raise PricingError("--gpus: give a price with it (--gpu-hour or --per-gpu-hour)")
-        if input_share is not None:
-            raise PricingError("--input-share: give a price with it (--gpu-hour or "
-                               "--per-gpu-hour)")
+    if gpus is not None and getattr(args, "gpu_hour", None) is None \
+            and getattr(args, "per_gpu_hour", None) is None:
+        raise PriceError("--gpus: give a price with it (--gpu-hour or --per-gpu-hour)")
+    price = price_from_args(args)
+    if price is None:
         return None
-    from gateway.plancost import cost_model
-    from gateway.profiles import ProfileError
-
-    try:
-        model = cost_model(gpu_hour, per_gpu_hour, currency, input_share)
-    except ProfileError as exc:
-        raise PricingError(str(exc)) from None
-    assert model is not None
     if gpus is None:
-        raise PricingError("--gpus: give the number of GPUs behind the target with a price "
-                           "(the run's cost is GPUs x price per GPU-hour x its duration)")
+        raise PriceError("--gpus: give the number of GPUs behind the target with a price "
+                         "(the run's cost is GPUs x price per GPU-hour x its duration)")
     if gpus < 1:
-        raise PricingError(f"--gpus: must be a positive integer, got {gpus}")
-    return Pricing(gpus, model.per_gpu_hour, model.currency, model.input_share, model.parts)
+        raise PriceError(f"--gpus: must be a positive integer, got {gpus}")
+    return Pricing(gpus, price.per_gpu_hour, price.currency, price.input_share, price.parts)
 
 
-def _per_million(spend: float, tokens: int | None) -> float | None:
-    return spend / tokens * 1e6 if tokens else None
+def _per_million(per_token: float | None) -> float | None:
+    return None if per_token is None else per_token * 1e6
 
 
 def cost_figures(report: Mapping[str, Any], pricing: Pricing) -> dict[str, Any]:
     """The report's cost keys, from its own `duration` and token counts."""
     duration = float(report["duration"])
-    spend = pricing.per_hour * duration / 3600.0 if math.isfinite(duration) else math.nan
+    spend = gpu_spend(pricing.per_hour, duration) if math.isfinite(duration) else math.nan
     share = pricing.input_share
     inp, out = int(report["total_input_tokens"]), int(report["total_output_tokens"])
     good_in: int | None = report.get("good_input_tokens")
     good_out: int | None = report.get("good_output_tokens")
-    out_spend = spend * (1.0 - share) if share is not None else spend
-    in_spend = spend * share if share is not None else None
     good_all = None if good_in is None or good_out is None else good_in + good_out
+    # Without a share, output tokens carry the whole spend and input tokens get no figure.
+    split = 0.0 if share is None else share
+    per_in, per_out = per_token(spend, split, inp, out)
+    good_per_in, good_per_out = per_token(spend, split, good_in or 0, good_out or 0)
     figures: dict[str, Any] = {
         "cost": pricing.describe(),
         "cost_total": spend,
-        "cost_per_million_tokens": _per_million(spend, inp + out),
-        "cost_per_million_input_tokens": (_per_million(in_spend, inp)
-                                          if in_spend is not None else None),
-        "cost_per_million_output_tokens": _per_million(out_spend, out),
-        "cost_per_million_goodput_tokens": _per_million(spend, good_all),
-        "cost_per_million_goodput_input_tokens": (_per_million(in_spend, good_in)
-                                                  if in_spend is not None else None),
-        "cost_per_million_goodput_output_tokens": _per_million(out_spend, good_out),
+        "cost_per_million_tokens": spend / (inp + out) * 1e6 if inp + out else None,
+        "cost_per_million_input_tokens": _per_million(per_in) if share is not None else None,
+        "cost_per_million_output_tokens": _per_million(per_out),
+        "cost_per_million_goodput_tokens": spend / good_all * 1e6 if good_all else None,
+        "cost_per_million_goodput_input_tokens": (_per_million(good_per_in)
+                                                  if share is not None else None),
+        "cost_per_million_goodput_output_tokens": _per_million(good_per_out),
     }
     return figures
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.pricing import Pricing, PricingError, add_cost_options, cost_figures, parse_pricing
+from gateway.pricing import PriceError
+from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
 from loadtest.report import SloError, parse_slo, render_text
 from loadtest.runner import (
     LoadShape,
@@ -109,7 +110,7 @@ def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_options(p)
-    add_cost_options(p)
+    add_price_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot latencies over the run (matplotlib)")
 
@@ -171,7 +172,7 @@ def prepare(args: argparse.Namespace, rate: float | None = None,
     slo = parse_slo(args.slo)
     try:
         pricing = parse_pricing(args)
-    except PricingError as exc:
+    except PriceError as exc:
         raise UsageError(str(exc)) from None
     workload = make_workload(args.trace, args.synthetic, args.seed, args.max_model_len,
                              args.trace_start)

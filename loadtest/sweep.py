@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.pricing import add_cost_options, cheapest
+from loadtest.pricing import add_price_options, cheapest
 from loadtest.run_cli import (
     Prepared,
     UsageError,
@@ -61,7 +61,7 @@ def add_sweep_options(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_options(p, pace=False)
     add_sweep_options(p)
-    add_cost_options(p)
+    add_price_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write every step's report and the knee")
     p.add_argument("--plot", metavar="FILE.png", help="latency percentiles and goodput vs load")
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from gateway.pricing import PriceError
 from loadtest.client import RequestResult, Usage
-from loadtest.pricing import Pricing, PricingError, add_cost_options, cost_figures, parse_pricing
+from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
 from loadtest.report import Sample, figures, render_text
 from loadtest.sweep import Sweep, cheapest_line, step_line
 from tests.conftest import StartSim
@@ -30,7 +31,7 @@ def loadtest(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str
 
 def _pricing(*argv: str) -> Pricing | None:
     p = argparse.ArgumentParser()
-    add_cost_options(p)
+    add_price_options(p)
     return parse_pricing(p.parse_args(list(argv)))
 
 
@@ -67,7 +68,7 @@ def test_price_flags_parse_as_gateway_plans_do() -> None:
     (["--gpu-hour", "2.5", "--gpus", "0"], "--gpus: must be a positive integer, got 0"),
 ])
 def test_bad_price_flags_name_the_flag_and_the_rule(argv: list[str], message: str) -> None:
-    with pytest.raises(PricingError) as err:
+    with pytest.raises(PriceError) as err:
         _pricing(*argv)
     assert str(err.value).startswith(message)
 

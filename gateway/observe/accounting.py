@@ -1,15 +1,16 @@
-"""Tokens and what they cost, by pool and tenant.
+"""Tokens and what they cost in money, by pool and tenant.
 
 Tokens are counted from the engines' own `usage` (the gateway asks every stream for its usage
 frame), split into `input` (prompt tokens computed), `cached` (prompt tokens served from the
 engine's prefix cache) and `output`. A stream cut short by its caller is counted as far as it
 went: the prompt, and one output token per streamed event.
 
-A pool's cost per hour is its backends x GPUs per backend x price per GPU-hour. Over a sliding
-window, that spend is split between input and output tokens (by the policy's `input_share`,
-or by the estimated GPU time of prefill against decode of the requests in the window), giving
-a cost per million input and output tokens; each request's tenant is charged its tokens at
-those prices. Output costs more per token than input: it holds KV cache and decode time.
+A pool's spend per hour is its backends x GPUs per backend x price per GPU-hour (the policy's
+`cost`). Over a sliding window, that spend is split between input and output tokens (by the
+policy's `input_share`, or by the estimated GPU time of prefill against decode of the requests
+in the window), giving a price per million input and output tokens; each request's tenant is
+charged its tokens at those prices. The rule is `gateway/pricing.py`'s, which `gateway plan`
+and `loadtest` price by too.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from dataclasses import dataclass, field
 
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
+from gateway.pricing import (
+    DECODE_EFFICIENCY,
+    ESTIMATED_SHARE,
+    PREFILL_EFFICIENCY,
+    gpu_spend,
+    input_share,
+    per_token,
+)
 from gateway.profiles import ModelProfile, get_gpu
-
-PREFILL_EFFICIENCY = 0.5  # share of peak FLOPs a prefill reaches
-DECODE_EFFICIENCY = 0.7  # share of HBM bandwidth a decode step reaches
 
 
 @dataclass
@@ -38,7 +44,9 @@ class _Slice:
 
 
 @dataclass
-class PoolCost:
+class PoolPrices:
+    """A pool's spend per hour, the tokens of its window, and the prices they gave."""
+
     per_hour: float
     window_s: float
     input_share: float | None
@@ -55,7 +63,7 @@ class Accountant:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.clock = clock
-        self.pools: dict[str, PoolCost] = {}
+        self.pools: dict[str, PoolPrices] = {}
         self._gpu: dict[str, tuple[float, float, float]] = {}
         for name, pool in policy.pools.items():
             gpu = get_gpu(pool.gpu)
@@ -64,8 +72,8 @@ class Accountant:
                 continue
             gpus = pool.cost.gpus_per_backend or pool.tp
             per_hour = len(pool.backends) * gpus * pool.cost.price_per_gpu_hour()
-            self.pools[name] = PoolCost(per_hour, pool.cost.window_s, pool.cost.input_share,
-                                        pool.cost.currency)
+            self.pools[name] = PoolPrices(per_hour, pool.cost.window_s, pool.cost.input_share,
+                                          pool.cost.currency)
             metrics.cost_per_hour.labels(name).set(per_hour)
 
     def record(self, pool: str, tenant: str, prompt_tokens: int, cached_tokens: int,
@@ -103,7 +111,7 @@ class Accountant:
             spend = fresh * pc.price_input + output_tokens * pc.price_output
             self.metrics.tenant_cost.labels(tenant, pool).inc(spend)
 
-    def _slice(self, pc: PoolCost) -> _Slice:
+    def _slice(self, pc: PoolPrices) -> _Slice:
         now = self.clock()
         if not pc.slices or now - pc.slices[-1].at >= 10.0:
             pc.slices.append(_Slice(now))
@@ -122,19 +130,11 @@ class Accountant:
             # The GPUs cost money busy or idle: the spend of the whole stretch is charged to
             # the tokens served in it, so low utilisation shows as a high price per token.
             span = min(pc.window_s, max(1.0, self.clock() - pc.slices[0].at))
-            spend = pc.per_hour * span / 3600
-            share = pc.input_share
-            if share is None:
-                pre = sum(s.prefill_s for s in pc.slices)
-                dec = sum(s.decode_s for s in pc.slices)
-                share = pre / (pre + dec) if pre + dec > 0 else 0.5
-            if not inp:
-                share = 0.0
-            if not out:
-                share = 1.0
+            spend = gpu_spend(pc.per_hour, span)
+            share = input_share(pc.input_share, sum(s.prefill_s for s in pc.slices),
+                                sum(s.decode_s for s in pc.slices), inp, out)
             pc.span_s, pc.share_used = span, share
-            pc.price_input = spend * share / inp if inp else None
-            pc.price_output = spend * (1 - share) / out if out else None
+            pc.price_input, pc.price_output = per_token(spend, share, inp, out)
             if pc.price_input is not None:
                 self.metrics.cost_per_million.labels(name, "input").set(pc.price_input * 1e6)
             if pc.price_output is not None:
@@ -150,4 +150,4 @@ class Accountant:
                 else pc.price_output * 1e6,
                 "span_s": pc.span_s, "input_share": pc.share_used,
                 "input_share_source": "policy" if pc.input_share is not None
-                else "estimated from prefill vs decode GPU time"}
+                else ESTIMATED_SHARE}

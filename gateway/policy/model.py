@@ -160,7 +160,7 @@ class AdmissionSpec(Strict):
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
-class CostSpec(Strict):
+class PricingSpec(Strict):
     """What a pool's GPUs cost per hour, and how to split it between input and output tokens.
 
     Give `gpu_hour` (a price per GPU-hour), or `per_gpu_hour` with its parts (amortised
@@ -177,7 +177,7 @@ class CostSpec(Strict):
     currency: Annotated[str, Field(max_length=8)] = "USD"
 
     @model_validator(mode="after")
-    def _one_price(self) -> CostSpec:
+    def _one_price(self) -> PricingSpec:
         if (self.gpu_hour is None) == (self.per_gpu_hour is None):
             raise ValueError("give exactly one of gpu_hour or per_gpu_hour")
         return self
@@ -211,7 +211,7 @@ class PoolSpec(Strict):
     overflow_to: str | None = None
     overflow_max_concurrent: PositiveInt = 2
     admission: AdmissionSpec = AdmissionSpec()
-    cost: CostSpec | None = None
+    cost: PricingSpec | None = None
 
     @field_validator("backends")
     @classmethod

@@ -6,9 +6,10 @@ concurrency at the P50 and P99 lengths, the KV demand of a stated concurrency (o
 Little's law from an arrival rate and a mean latency), one TP=N replica beside two TP=N/2 ones,
 and, with a trace, the probability that the KV demand of `concurrency` requests drawn from real
 traffic exceeds the budget. With a price per GPU-hour, each layout's cost per million input and
-output tokens at the planned load (and, with a trace, per million tokens that meet the SLO);
-the roofline and the money are in `gateway/plancost.py`. `plan()` is pure and returns a
-dataclass; the text and `--json` outputs both print it.
+output tokens at the planned load (and, with a trace, per million tokens that meet the SLO):
+the roofline is `gateway/planner/throughput.py`, the price of its tokens
+`gateway/planner/token_price.py`, by the gateway's own rule (`gateway/pricing.py`). `plan()` is
+pure and returns a dataclass; the text and `--json` outputs both print it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import plancost
+from gateway import pricing
 from gateway.cost.traces import TraceError, TraceRequest, read_trace
-from gateway.plancost import CostModel, LayoutCost, Lengths, Throughput
+from gateway.planner import throughput, token_price
+from gateway.planner.throughput import Lengths, Throughput
+from gateway.planner.token_price import LayoutPrice
+from gateway.pricing import Price, PriceError
 from gateway.profiles import (
     GB,
     GiB,
@@ -65,7 +69,7 @@ class PlanInput:
     seed: int = 0
     rate: float | None = None  # arrivals/s: the planned load in tokens/s
     prompt_mean: float | None = None  # None: the trace's mean, else lognormal from P50 and P99
-    cost: CostModel | None = None
+    cost: Price | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ class Layout:
     # trace only: share of requests preempted (newest first, as vLLM does) to fit the budget
     preempted_share: float | None = None
     throughput: Throughput | None = None  # the roofline at the planned load
-    cost: LayoutCost | None = None  # with a price
+    cost: LayoutPrice | None = None  # with a price
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,7 @@ class PlanResult:
     trace_requests: int
     rate: float | None = None
     lengths: Lengths | None = None  # mean lengths the throughput and cost are computed at
-    cost_model: CostModel | None = None
+    cost_model: Price | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -258,7 +262,7 @@ def validate(inp: PlanInput) -> None:
 def _costed(inp: PlanInput, tp: int, explicit_budget: bool, lengths: Lengths) -> Layout:
     """A layout with its roofline at the planned load and, with a price, what its tokens cost."""
     replicas = inp.gpus // tp
-    tput = plancost.throughput(inp.model, inp.gpu, tp, replicas, inp.dtype, inp.kv_dtype,
+    tput = throughput.throughput(inp.model, inp.gpu, tp, replicas, inp.dtype, inp.kv_dtype,
                                lengths, inp.rate, inp.concurrency)
     per_replica = None
     if tput is not None and inp.concurrency is None and not tput.saturated:
@@ -267,17 +271,17 @@ def _costed(inp: PlanInput, tp: int, explicit_budget: bool, lengths: Lengths) ->
     lay = dataclasses.replace(lay, throughput=tput)
     if inp.cost is None:
         return lay
-    note = plancost.shortfall(lay.weights_fit, lay.fits, tput, lay.kv_blocks_per_replica,
-                              inp.block_size, lengths)
+    note = throughput.shortfall(lay.weights_fit, lay.fits, tput, lay.kv_blocks_per_replica,
+                                inp.block_size, lengths)
     p_meets = None if lay.preempted_share is None else 1.0 - lay.preempted_share
-    return dataclasses.replace(lay, cost=plancost.price(inp.cost, inp.gpus, tput, not note, note,
-                                                        p_meets))
+    return dataclasses.replace(lay, cost=token_price.price_layout(inp.cost, inp.gpus, tput,
+                                                                  not note, note, p_meets))
 
 
 def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
     validate(inp)
-    lengths = plancost.lengths(inp.model, inp.prompt_p50, inp.prompt_p99, inp.output_tokens,
-                               inp.prompt_mean, inp.trace)
+    lengths = throughput.lengths(inp.model, inp.prompt_p50, inp.prompt_p99, inp.output_tokens,
+                                 inp.prompt_mean, inp.trace)
     primary = _costed(inp, inp.tp, inp.kv_budget_bytes is not None, lengths)
     # The documents' comparison: all GPUs as one replica beside two replicas of half the TP.
     tps = [inp.gpus]
@@ -357,7 +361,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-mean", type=float, help="mean prompt tokens for throughput and "
                    "cost (default the trace's, or the lognormal through P50 and P99)")
-    plancost.add_arguments(p)
+    pricing.add_price_arguments(p, "docs/planner.md",
+                                input_share_default=pricing.ESTIMATED_SHARE)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -401,7 +406,8 @@ def _model_from_args(args: argparse.Namespace) -> ModelProfile:
 
 
 def input_from_args(args: argparse.Namespace) -> tuple[PlanInput, str]:
-    """Parsed flags -> PlanInput (raises ProfileError or TraceError for bad input)."""
+    """Parsed flags -> PlanInput (raises ProfileError, TraceError or PriceError for bad
+    input)."""
     model = _model_from_args(args)
     trace = tuple(read_trace(args.trace)) if args.trace else ()
     concurrency, source = args.concurrency, "stated"
@@ -409,7 +415,7 @@ def input_from_args(args: argparse.Namespace) -> tuple[PlanInput, str]:
         if args.rate is None or args.rate < 0 or args.mean_latency < 0:
             raise ProfileError("rate: --mean-latency needs --rate, both non-negative")
         concurrency, source = math.ceil(args.rate * args.mean_latency - 1e-9), "little's law"
-    cost = plancost.cost_model(args.gpu_hour, args.per_gpu_hour, args.currency, args.input_share)
+    cost = pricing.price_from_args(args)
     p50, p99, out = args.prompt_p50, args.prompt_p99, args.output_tokens
     if trace:
         prompts = sorted(r.prompt_tokens for r in trace)
@@ -451,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         inp, source = input_from_args(args)
         result = plan(inp, source)
-    except (ProfileError, TraceError) as exc:
+    except (ProfileError, TraceError, PriceError) as exc:
         print(f"gateway plan: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result.to_dict(), indent=2) if args.json else render_text(result))
@@ -512,7 +518,7 @@ def render_text(r: PlanResult) -> str:
                         if r.concurrency_source != "roofline" else
                         "each layout's roofline concurrency at --rate per replica)"))
     if r.cost_model is not None and r.lengths is not None:
-        lines += plancost.render(r.cost_model, r.gpus, r.lengths, r.rate, r.concurrency,
-                                 [(lay.tp, lay.replicas, lay.throughput, lay.cost)
-                                  for lay in r.layouts if lay.cost is not None])
+        lines += token_price.render(r.cost_model, r.gpus, r.lengths, r.rate, r.concurrency,
+                                    [(lay.tp, lay.replicas, lay.throughput, lay.cost)
+                                     for lay in r.layouts if lay.cost is not None])
     return "\n".join(lines)
