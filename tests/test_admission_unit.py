@@ -67,98 +67,88 @@ def make(policy_text: str = POLICY) -> tuple[Admission, Clock, Backends]:
     return admission, clock, backends
 
 
-def test_admits_until_blocks_run_out_then_rejects_without_queue_room() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        t1 = await adm.admit(Ask("default", 60, 960))
-        t2 = await adm.admit(Ask("default", 40, 640))
-        assert (t1.decision, t2.decision) == ("admitted", "admitted")
-        assert adm.pools["default"].reserved["a"] == 100
-        # Nothing drains yet: two wait (the queue holds 2), the third is refused at once.
-        w1 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
-        w2 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
-        await asyncio.sleep(0)
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 10, 160))
-        assert answer_headers(err.value)["x-gateway-reason"] == "queue_full"
-        assert int(answer_headers(err.value)["retry-after"]) >= 1
-        await adm.release(t1)  # frees 60 blocks: both waiters fit
-        r1, r2 = await asyncio.gather(w1, w2)
-        assert (r1.decision, r2.decision) == ("queued", "queued")
-        for t in (t2, r1, r2):
-            await adm.release(t)
-        assert adm.pools["default"].reserved["a"] == 0
-        assert len(adm.pools["default"].queue) == 0
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_admits_until_blocks_run_out_then_rejects_without_queue_room() -> None:
+    adm, _, _ = make()
+    t1 = await adm.admit(Ask("default", 60, 960))
+    t2 = await adm.admit(Ask("default", 40, 640))
+    assert (t1.decision, t2.decision) == ("admitted", "admitted")
+    assert adm.pools["default"].reserved["a"] == 100
+    # Nothing drains yet: two wait (the queue holds 2), the third is refused at once.
+    w1 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
+    w2 = asyncio.ensure_future(adm.admit(Ask("default", 30, 480)))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 10, 160))
+    assert answer_headers(err.value)["x-gateway-reason"] == "queue_full"
+    assert int(answer_headers(err.value)["retry-after"]) >= 1
+    await adm.release(t1)  # frees 60 blocks: both waiters fit
+    r1, r2 = await asyncio.gather(w1, w2)
+    assert (r1.decision, r2.decision) == ("queued", "queued")
+    for t in (t2, r1, r2):
+        await adm.release(t)
+    assert adm.pools["default"].reserved["a"] == 0
+    assert len(adm.pools["default"].queue) == 0
 
 
-def test_predicted_wait_over_deadline_is_rejected_early() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        held = await adm.admit(Ask("default", 100, 1600))
-        adm.pools["default"].drain_rate = 100.0  # tokens/s: 1,600 tokens take 16 s > 5 s
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 10, 1600))
-        assert answer_headers(err.value)["x-gateway-reason"] == "predicted_wait"
-        assert int(answer_headers(err.value)["retry-after"]) == 16
-        assert "KV cache is at the admission limit" in err.value.message
-        assert "predicted wait (16.0s) exceeds the queue deadline (5s)" in err.value.message
-        await adm.release(held)
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_predicted_wait_over_deadline_is_rejected_early() -> None:
+    adm, _, _ = make()
+    held = await adm.admit(Ask("default", 100, 1600))
+    adm.pools["default"].drain_rate = 100.0  # tokens/s: 1,600 tokens take 16 s > 5 s
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 10, 1600))
+    assert answer_headers(err.value)["x-gateway-reason"] == "predicted_wait"
+    assert int(answer_headers(err.value)["retry-after"]) == 16
+    assert "KV cache is at the admission limit" in err.value.message
+    assert "predicted wait (16.0s) exceeds the queue deadline (5s)" in err.value.message
+    await adm.release(held)
 
 
-def test_client_deadline_shorter_than_policy() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        held = await adm.admit(Ask("default", 100, 1600))
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 10, 160, deadline_s=0.05))
-        assert answer_headers(err.value)["x-gateway-reason"] == "queue_timeout"
-        assert len(adm.pools["default"].queue) == 0
-        await adm.release(held)
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_client_deadline_shorter_than_policy() -> None:
+    adm, _, _ = make()
+    held = await adm.admit(Ask("default", 100, 1600))
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 10, 160, deadline_s=0.05))
+    assert answer_headers(err.value)["x-gateway-reason"] == "queue_timeout"
+    assert len(adm.pools["default"].queue) == 0
+    await adm.release(held)
 
 
-def test_cancelled_waiter_leaves_queue_and_holds_nothing() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        held = await adm.admit(Ask("default", 100, 1600))
-        waiter = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
-        await asyncio.sleep(0)
-        assert len(adm.pools["default"].queue) == 1
-        waiter.cancel()  # the caller disconnected while queued
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        assert len(adm.pools["default"].queue) == 0
-        await adm.release(held)
-        assert adm.pools["default"].reserved["a"] == 0
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_cancelled_waiter_leaves_queue_and_holds_nothing() -> None:
+    adm, _, _ = make()
+    held = await adm.admit(Ask("default", 100, 1600))
+    waiter = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
+    await asyncio.sleep(0)
+    assert len(adm.pools["default"].queue) == 1
+    waiter.cancel()  # the caller disconnected while queued
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(adm.pools["default"].queue) == 0
+    await adm.release(held)
+    assert adm.pools["default"].reserved["a"] == 0
 
 
-def test_sheddable_waiter_is_pushed_out_by_critical() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        held = await adm.admit(Ask("default", 100, 1600))
-        shed = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
-                                                   priority=PRIORITIES["sheddable"])))
-        std = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
-        await asyncio.sleep(0)
-        crit = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
-                                                   priority=PRIORITIES["critical"])))
-        await asyncio.sleep(0)
-        with pytest.raises(Overloaded) as err:
-            await shed
-        assert answer_headers(err.value)["x-gateway-reason"] == "shed"
-        await adm.release(held)
-        first, second = await asyncio.gather(crit, std)
-        for t in (first, second):
-            await adm.release(t)
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_sheddable_waiter_is_pushed_out_by_critical() -> None:
+    adm, _, _ = make()
+    held = await adm.admit(Ask("default", 100, 1600))
+    shed = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
+                                               priority=PRIORITIES["sheddable"])))
+    std = asyncio.ensure_future(adm.admit(Ask("default", 10, 160)))
+    await asyncio.sleep(0)
+    crit = asyncio.ensure_future(adm.admit(Ask("default", 10, 160,
+                                               priority=PRIORITIES["critical"])))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as err:
+        await shed
+    assert answer_headers(err.value)["x-gateway-reason"] == "shed"
+    await adm.release(held)
+    first, second = await asyncio.gather(crit, std)
+    for t in (first, second):
+        await adm.release(t)
 
 
 def test_fair_queue_orders_by_priority_then_served_tokens() -> None:
@@ -269,18 +259,16 @@ def test_router_long_prompts_and_overflow() -> None:
     assert (route.pool, route.overflow) == ("default", True)
 
 
-def test_overflow_is_capped() -> None:
-    async def go() -> None:
-        adm, _, _ = make()
-        t = await adm.admit(Ask("default", 10, 5000, overflow=True))
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 10, 5000, overflow=True))
-        assert "overflowed long request" in err.value.message
-        await adm.release(t)
-        t2: Ticket = await adm.admit(Ask("default", 10, 5000, overflow=True))
-        await adm.release(t2)
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_overflow_is_capped() -> None:
+    adm, _, _ = make()
+    t = await adm.admit(Ask("default", 10, 5000, overflow=True))
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 10, 5000, overflow=True))
+    assert "overflowed long request" in err.value.message
+    await adm.release(t)
+    t2: Ticket = await adm.admit(Ask("default", 10, 5000, overflow=True))
+    await adm.release(t2)
 
 
 def test_engine_metrics_parse_vllm_and_sglang() -> None:
@@ -309,25 +297,23 @@ def test_stale_engine_sample_is_unknown() -> None:
     assert adm.capacity.engine_full(adm.pools["default"], "a") is None
 
 
-def test_static_rule_sheds_on_engine_signals_only() -> None:
-    async def go() -> None:
-        adm, clock, _ = make(POLICY.replace("admission: {kv_usage_max: 1.0, queue_size: 2, "
-                                            "queue_wait_max_s: 5}", "admission: {mode: static}"))
-        t = await adm.admit(Ask("default", 10_000, 10**6))  # no reservation: anything goes
-        assert t.lease is None and t.reason == "static_rule"
-        adm.scraper.samples[("default", "a")] = parse_engine_metrics(
-            'vllm:num_requests_waiting{model_name="m"} 6\n'
-            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "vllm", clock.now)
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 1, 1))
-        assert answer_headers(err.value)["x-gateway-reason"] == "static_rule"
-        adm.scraper.samples[("default", "a")] = parse_engine_metrics(
-            'vllm:num_requests_waiting{model_name="m"} 0\n'
-            'vllm:kv_cache_usage_perc{model_name="m"} 0.85\n', "vllm", clock.now)
-        with pytest.raises(Overloaded):
-            await adm.admit(Ask("default", 1, 1))
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_static_rule_sheds_on_engine_signals_only() -> None:
+    adm, clock, _ = make(POLICY.replace("admission: {kv_usage_max: 1.0, queue_size: 2, "
+                                        "queue_wait_max_s: 5}", "admission: {mode: static}"))
+    t = await adm.admit(Ask("default", 10_000, 10**6))  # no reservation: anything goes
+    assert t.lease is None and t.reason == "static_rule"
+    adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+        'vllm:num_requests_waiting{model_name="m"} 6\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "vllm", clock.now)
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 1, 1))
+    assert answer_headers(err.value)["x-gateway-reason"] == "static_rule"
+    adm.scraper.samples[("default", "a")] = parse_engine_metrics(
+        'vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.85\n', "vllm", clock.now)
+    with pytest.raises(Overloaded):
+        await adm.admit(Ask("default", 1, 1))
 
 
 def test_overbooking_is_learned_from_the_engines_usage() -> None:
@@ -355,48 +341,44 @@ def test_overbooking_is_learned_from_the_engines_usage() -> None:
     assert adm2.pools["default"].overbook.get("a", 1.0) == 1.0
 
 
-def test_prefill_backlog_holds_prompts_until_first_tokens_come_back() -> None:
-    async def go() -> None:
-        adm, _, _ = make(POLICY.replace("queue_wait_max_s: 5}",
-                                        "queue_wait_max_s: 5, prefill_tokens_max: 1000}"))
-        ps = adm.pools["default"]
-        first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
-        assert ps.prefill["a"] == 600
-        # 600 more would put 1,200 prompt tokens ahead of the engine's next first token.
-        placed = place(adm.view(Ask("default", 1, 700, prompt_tokens=600)),
-                       AskView(1, 700))
-        assert placed.backend is None and placed.reason == "prefill_tokens"
-        assert adm.preview(Ask("default", 1, 700, prompt_tokens=600))["reason"] == \
-            "prefill_tokens"
-        adm.prefill_done(first)  # its first token came back: its prompt is prefilled
-        adm.prefill_done(first)  # once only
-        assert ps.prefill["a"] == 0
-        second = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
-        await adm.release(second)  # ended before its first byte: the release clears it
-        assert ps.prefill["a"] == 0
-        # An idle engine takes a prompt longer than the whole limit: it must run somewhere.
-        big = await adm.admit(Ask("default", 1, 5000, prompt_tokens=4000))
-        await adm.release(big)
-        await adm.release(first)
-        # Two replicas alive: each holds half the limit, as it sees only its own streams.
-        adm.replicas = 2
-        third = await adm.admit(Ask("default", 1, 500, prompt_tokens=400))
-        assert adm.capacity.prefill_full(ps, "a", 200) and not adm.capacity.prefill_full(ps, "a", 100)
-        await adm.release(third)
-        assert adm.metrics.prefill_tokens_pending.labels("default", "a")._value.get() == 0
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_prefill_backlog_holds_prompts_until_first_tokens_come_back() -> None:
+    adm, _, _ = make(POLICY.replace("queue_wait_max_s: 5}",
+                                    "queue_wait_max_s: 5, prefill_tokens_max: 1000}"))
+    ps = adm.pools["default"]
+    first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+    assert ps.prefill["a"] == 600
+    # 600 more would put 1,200 prompt tokens ahead of the engine's next first token.
+    placed = place(adm.view(Ask("default", 1, 700, prompt_tokens=600)),
+                   AskView(1, 700))
+    assert placed.backend is None and placed.reason == "prefill_tokens"
+    assert adm.preview(Ask("default", 1, 700, prompt_tokens=600))["reason"] == \
+        "prefill_tokens"
+    adm.prefill_done(first)  # its first token came back: its prompt is prefilled
+    adm.prefill_done(first)  # once only
+    assert ps.prefill["a"] == 0
+    second = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+    await adm.release(second)  # ended before its first byte: the release clears it
+    assert ps.prefill["a"] == 0
+    # An idle engine takes a prompt longer than the whole limit: it must run somewhere.
+    big = await adm.admit(Ask("default", 1, 5000, prompt_tokens=4000))
+    await adm.release(big)
+    await adm.release(first)
+    # Two replicas alive: each holds half the limit, as it sees only its own streams.
+    adm.replicas = 2
+    third = await adm.admit(Ask("default", 1, 500, prompt_tokens=400))
+    assert adm.capacity.prefill_full(ps, "a", 200) and not adm.capacity.prefill_full(ps, "a", 100)
+    await adm.release(third)
+    assert adm.metrics.prefill_tokens_pending.labels("default", "a")._value.get() == 0
 
 
-def test_a_full_prefill_backlog_without_queue_room_says_so() -> None:
-    async def go() -> None:
-        adm, _, _ = make(POLICY.replace("queue_size: 2, queue_wait_max_s: 5}",
-                                        "queue_size: 0, prefill_tokens_max: 1000}"))
-        first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
-        with pytest.raises(Overloaded) as err:
-            await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
-        assert answer_headers(err.value)["x-gateway-reason"] == "prefill_tokens"
-        assert "prefill backlog is at the limit" in str(err.value)
-        await adm.release(first)
-
-    asyncio.run(go())
+@pytest.mark.anyio
+async def test_a_full_prefill_backlog_without_queue_room_says_so() -> None:
+    adm, _, _ = make(POLICY.replace("queue_size: 2, queue_wait_max_s: 5}",
+                                    "queue_size: 0, prefill_tokens_max: 1000}"))
+    first = await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("default", 1, 700, prompt_tokens=600))
+    assert answer_headers(err.value)["x-gateway-reason"] == "prefill_tokens"
+    assert "prefill backlog is at the limit" in str(err.value)
+    await adm.release(first)
