@@ -23,7 +23,6 @@ errors of gateway/errors.py; the client turns them into HTTP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from gateway.admission.pool import Ask, Ticket
 from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate, openai_messages
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
-from gateway.observe.record import Record
+from gateway.observe.record import Record, tokens_used, usage_of
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
 from gateway.profiles import ModelProfile, get_model
@@ -44,8 +43,11 @@ from gateway.protocol import (
     ChatCompletionRequest,
     Endpoint,
     ParsedRequest,
+    client_deadline,
+    endpoint_of,
     parse_request,
     rate_limit_headers,
+    template_kwargs,
 )
 from gateway.proxy import ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
@@ -55,10 +57,6 @@ from gateway.runtime import Runtime
 log = logging.getLogger("gateway.api")
 
 _FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
-# Arguments of the chat-template render that the gateway passes itself: a caller's
-# `chat_template_kwargs` setting one would clash with it (a TypeError, before: a 500).
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
-                                       "special_tokens"})
 
 Headers = Mapping[bytes, bytes]
 
@@ -175,7 +173,7 @@ class Pipeline:
               ) -> tuple[Endpoint, dict[str, Any], ParsedRequest]:
         server = self.rt.policy.server
         if endpoint is None:
-            endpoint = _endpoint_of(body)
+            endpoint = endpoint_of(body)
         data, parsed = parse_request(body, endpoint, server.max_json_depth,
                                      server.max_json_items)
         return endpoint, data, parsed
@@ -404,79 +402,8 @@ class Pipeline:
 
 # --- helpers of the stages ----------------------------------------------------------------------
 
-def client_deadline(headers: Headers) -> float | None:
-    """A caller's own limit on queueing: x-gateway-max-queue-ms, or half the SDK's timeout.
-
-    The official SDKs send their timeout as x-stainless-timeout (seconds); waiting longer than
-    half of it in the queue leaves too little time to generate.
-    """
-    deadline = None
-    raw = headers.get(b"x-gateway-max-queue-ms")
-    if raw:
-        with contextlib.suppress(ValueError):
-            deadline = max(0.0, float(raw) / 1000)
-    raw = headers.get(b"x-stainless-timeout")
-    if raw:
-        with contextlib.suppress(ValueError):
-            half = max(0.0, float(raw) / 2)
-            deadline = half if deadline is None else min(deadline, half)
-    return deadline
-
-
-def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The caller's `chat_template_kwargs`, refused where they would set what we set."""
-    kwargs = data.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest("'chat_template_kwargs' must be an object.",
-                             param="chat_template_kwargs", code="invalid_value")
-    clash = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if clash:
-        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(clash)}: the "
-                             "request's own fields set them.", param="chat_template_kwargs",
-                             code="invalid_value")
-    return kwargs
-
-
 def profile_of(model: ModelSpec) -> ModelProfile:
     return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
-
-
-def usage_of(endpoint: str, stream: bool, estimated_prompt: int,
-             relay: Relay | None) -> tuple[int, int, int] | None:
-    """(prompt, cached, output) tokens the engine spent; None when it never took the request.
-
-    The engine's `usage` when it sent one (the gateway asks every stream for it); for a
-    stream cut short, the prompt as counted here and one output token per streamed event
-    (after the role event that opens a chat stream).
-    """
-    if relay is None or not relay.response_started or relay.status not in (200, 499, 502):
-        return None
-    if relay.prompt_tokens is not None and relay.completion_tokens is not None:
-        return relay.prompt_tokens, relay.cached_tokens or 0, relay.completion_tokens
-    if not stream or relay.first_byte is None:
-        return None
-    opening = 1 if endpoint == "chat" else 0
-    return estimated_prompt, 0, max(0, relay.sse_events - opening)
-
-
-def tokens_used(record: Record | None) -> int | None:
-    if record is None:
-        return None
-    used = usage_of(record.endpoint, record.stream, record.estimated_prompt_tokens,
-                    record.relay)
-    return None if used is None else used[0] + used[2]
-
-
-def _endpoint_of(body: bytes) -> Endpoint:
-    """`/gateway/estimate` takes either body: a `prompt` and no `messages` is a completion."""
-    try:
-        probe = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return "chat"  # parse_request answers it with the standard 400
-    return "completions" if isinstance(probe, dict) and "prompt" in probe \
-        and "messages" not in probe else "chat"
 
 
 def _answer_headers(inbound: Inbound, p: Prepared, ticket: Ticket,

@@ -8,6 +8,8 @@ fields pass through untouched, as vLLM's models allow.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -82,6 +84,10 @@ class CompletionRequest(_Common):
 
 
 Endpoint = Literal["chat", "completions"]
+# Arguments of the chat-template render that the gateway passes itself: a caller's
+# `chat_template_kwargs` setting one would clash with it (a TypeError, before: a 500).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
+                                       "special_tokens"})
 ParsedRequest = ChatCompletionRequest | CompletionRequest
 
 
@@ -161,3 +167,50 @@ def loc_path(loc: tuple[int | str, ...]) -> str:
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after",
                          "function-before", "function-wrap", "tagged-union"})
+
+
+# --- what the gateway reads of a request beyond its schema ---------------------------------
+
+def client_deadline(headers: Mapping[bytes, bytes]) -> float | None:
+    """A caller's own limit on queueing: x-gateway-max-queue-ms, or half the SDK's timeout.
+
+    The official SDKs send their timeout as x-stainless-timeout (seconds); waiting longer than
+    half of it in the queue leaves too little time to generate.
+    """
+    deadline = None
+    raw = headers.get(b"x-gateway-max-queue-ms")
+    if raw:
+        with contextlib.suppress(ValueError):
+            deadline = max(0.0, float(raw) / 1000)
+    raw = headers.get(b"x-stainless-timeout")
+    if raw:
+        with contextlib.suppress(ValueError):
+            half = max(0.0, float(raw) / 2)
+            deadline = half if deadline is None else min(deadline, half)
+    return deadline
+
+
+def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's `chat_template_kwargs`, refused where they would set what we set."""
+    kwargs = data.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object.",
+                             param="chat_template_kwargs", code="invalid_value")
+    clash = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if clash:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(clash)}: the "
+                             "request's own fields set them.", param="chat_template_kwargs",
+                             code="invalid_value")
+    return kwargs
+
+
+def endpoint_of(body: bytes) -> Endpoint:
+    """`/gateway/estimate` takes either body: a `prompt` and no `messages` is a completion."""
+    try:
+        probe = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "chat"  # parse_request answers it with the standard 400
+    return "completions" if isinstance(probe, dict) and "prompt" in probe \
+        and "messages" not in probe else "chat"

@@ -21,7 +21,7 @@ from gateway.backends import Backends
 from gateway.errors import NoBackendAvailable, Overloaded
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
-from gateway.signals.engines import EngineScraper, EngineSample
+from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.state import MemoryState
 
 METRICS = GatewayMetrics()  # one registry for all examples: label children are reused

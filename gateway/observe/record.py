@@ -22,3 +22,29 @@ class Record:
     relay: Relay
     status: int = 0  # the answer's HTTP status; 0 until the pipeline knows it
     error: str = ""  # why it failed, when the pipeline refused or failed it
+
+
+def usage_of(endpoint: str, stream: bool, estimated_prompt: int,
+             relay: Relay | None) -> tuple[int, int, int] | None:
+    """(prompt, cached, output) tokens the engine spent; None when it never took the request.
+
+    The engine's `usage` when it sent one (the gateway asks every stream for it); for a
+    stream cut short, the prompt as counted here and one output token per streamed event
+    (after the role event that opens a chat stream).
+    """
+    if relay is None or not relay.response_started or relay.status not in (200, 499, 502):
+        return None
+    if relay.prompt_tokens is not None and relay.completion_tokens is not None:
+        return relay.prompt_tokens, relay.cached_tokens or 0, relay.completion_tokens
+    if not stream or relay.first_byte is None:
+        return None
+    opening = 1 if endpoint == "chat" else 0
+    return estimated_prompt, 0, max(0, relay.sse_events - opening)
+
+
+def tokens_used(record: Record | None) -> int | None:
+    if record is None:
+        return None
+    used = usage_of(record.endpoint, record.stream, record.estimated_prompt_tokens,
+                    record.relay)
+    return None if used is None else used[0] + used[2]
