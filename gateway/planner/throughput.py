@@ -1,6 +1,6 @@
 """What one layout serves at the planned load, as a roofline sees it (`gateway plan`).
 
-The planner's ledger (`gateway/planner/plan.py`) says what fits; this module says how fast a
+The planner's ledger (`gateway/planner/capacity.py`) says what fits; this module says how fast a
 layout serves the load: tokens per second, the batch each replica decodes, its time per output
 token. `gateway/planner/token_price.py` then puts a price on those tokens. The efficiency
 constants are the ones the gateway prices its own tokens with (`gateway/pricing.py`).
