@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import free_port  # noqa: E402  (after the path fix, so it runs from a checkout)
+
 BIN = Path(sys.executable).parent
 TRACES = ROOT.parent / "shared" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"
@@ -101,12 +104,6 @@ def slo(setup: Setup) -> dict[str, float]:
 def slo_arg(setup: Setup) -> str:
     s = slo(setup)
     return f"ttft={s['ttft']:g}s,tpot={s['tpot'] * 1000:.0f}ms"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:

@@ -41,7 +41,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,16 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import free_port  # noqa: E402  (after the path fix, so it runs from a checkout)
+
 BIN = Path(sys.executable).parent
 GUIDELLM_VERSION = "0.8.1"
 DEFAULT_VENV = ROOT / "build" / "agreement-venv"
 TOLERANCE = 0.10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpus() -> int:

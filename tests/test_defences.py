@@ -3,40 +3,30 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import socket
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, quiet
-from tests.servers import Server
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import Server, http, metric, quiet
 
-
-def post(gw: Server, body: bytes, headers: dict[str, str] | None = None,
-         path: str = "/v1/chat/completions") -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=15)
-    conn.request("POST", path, body=body,
-                 headers={"content-type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, data
+CHAT = "/v1/chat/completions"
 
 
 def test_deep_json_and_absurd_arrays_400(sim_and_gateway: tuple[Server, Server]) -> None:
     _, gw = sim_and_gateway
     deep = b'{"model": "test-model", "messages": [{"role": "user", "content": ' \
         + b"[" * 200 + b"]" * 200 + b"}]}"
-    status, body = post(gw, deep)
+    status, _, body = http("POST", gw.url + CHAT, deep)
     assert status == 400 and b"nested deeper than 32 levels" in body
     wide = json.dumps({"model": "test-model", "messages": [{"role": "user", "content": "x"}],
                        "stop": [0] * 300_000}).encode()
-    status, body = post(gw, wide)
+    status, _, body = http("POST", gw.url + CHAT, wide)
     assert status == 400 and b"more than 200000 values" in body
     very_deep = b"[" * 5000 + b"]" * 5000  # beyond the JSON parser's own recursion limit
-    status, body = post(gw, very_deep)
+    status, _, body = http("POST", gw.url + CHAT, very_deep)
     assert status == 400 and b"invalid_json" in body
 
 
@@ -53,8 +43,7 @@ def test_headers_over_the_limit_431(sim_and_gateway: tuple[Server, Server]) -> N
     assert reply.startswith(b"HTTP/1.1 431")
     assert b"request_header_fields_too_large" in reply
     # The server is fine afterwards.
-    status, _ = post(gw, b"{}")
-    assert status == 400
+    assert http("POST", gw.url + CHAT, b"{}").status == 400
 
 
 def test_flood_is_answered_503_at_once(start_sim: StartSim,
@@ -64,10 +53,11 @@ def test_flood_is_answered_503_at_once(start_sim: StartSim,
         body = json.dumps({"model": "test-model", "max_tokens": 300, "ignore_eos": True,
                            "messages": [{"role": "user", "content": "hi"}]}).encode()
         with cf.ThreadPoolExecutor(10) as pool:
-            results = list(pool.map(lambda _: post(gw, body), range(10)))
-        statuses = sorted(s for s, _ in results)
+            results = list(pool.map(lambda _: http("POST", gw.url + CHAT, body, timeout=15),
+                                    range(10)))
+        statuses = sorted(r.status for r in results)
         assert statuses.count(200) >= 3
-        busy = [b for s, b in results if s == 503]
+        busy = [r.body for r in results if r.status == 503]
         assert busy and b'"code":"server_busy"' in busy[0]
         assert metric(quiet(gw.url), "gateway_inflight_requests") == 0
 
@@ -117,7 +107,7 @@ def test_fuzzed_bodies_never_5xx_and_leave_nothing_reserved(
                 body = json.dumps(data).encode()
         except ValueError:
             pass
-        status, reply = post(gw, body, path=path)
+        status, _, reply = http("POST", gw.url + path, body, timeout=15)
         seen[status] = seen.get(status, 0) + 1
         assert status < 500, (status, body, reply)
 

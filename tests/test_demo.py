@@ -8,9 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from openai import OpenAI
-
-from tests.servers import ROOT, free_port, gateway_cmd, wait_http
+from tests.servers import ROOT, free_port, gateway_cmd, openai_client, wait_http
 
 
 def test_demo_serves_and_stops_everything(tmp_path: Path) -> None:
@@ -29,7 +27,7 @@ def test_demo_serves_and_stops_everything(tmp_path: Path) -> None:
         printed = log.read_text()
         assert f"curl -sN http://127.0.0.1:{port}/v1/chat/completions" in printed
         assert 'OpenAI(base_url="http://127.0.0.1:' in printed
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai_client(f"http://127.0.0.1:{port}")
         stream = client.chat.completions.create(
             model="qwen2.5-72b", max_tokens=8, stream=True,
             messages=[{"role": "user", "content": "Hello!"}])

