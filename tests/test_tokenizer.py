@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -211,11 +210,11 @@ def test_load_errors_name_what_was_tried(tmp_path: Path, monkeypatch: pytest.Mon
         load_tokenizer(str(bad))
 
 
-def test_token_counter_async_and_char_limit(ours: HFTokenizer) -> None:
+@pytest.mark.anyio
+async def test_token_counter_async_and_char_limit(ours: HFTokenizer) -> None:
     counter = TokenCounter(ours, max_prompt_chars=10_000)
     messages = CONVERSATIONS["system+user"]
-
-    async def scenario() -> None:
+    try:
         assert await counter.count_chat(messages) == ours.count_chat(messages)
         with pytest.raises(PromptTooLong) as info:
             await counter.count_chat([{"role": "user", "content": "x" * 10_001}])
@@ -231,9 +230,6 @@ def test_token_counter_async_and_char_limit(ours: HFTokenizer) -> None:
         assert bad.value.param == "prompt"
         with pytest.raises(PromptTooLong):
             await counter.count_text("y" * 20_000)
-
-    try:
-        asyncio.run(scenario())
     finally:
         counter.close()
 
