@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import time
 
 from gateway.observe.accesslog import BatchingHandler
 
@@ -64,11 +65,35 @@ def test_arguments_are_rendered_when_logged_not_when_written() -> None:
     handler.stop()
 
 
+class ClosableStream(io.StringIO):
+    """While `shut`, writes fail as a closed file's do; opened again, the test can see
+    whether the writer still writes (a closed StringIO cannot be read back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shut = False
+        self.refused = threading.Event()
+
+    def write(self, s: str) -> int:
+        if self.shut:
+            self.refused.set()
+            raise ValueError("I/O operation on closed file.")
+        return super().write(s)
+
+
 def test_a_closed_stream_does_not_kill_the_writer() -> None:
-    out = io.StringIO()
-    handler = BatchingHandler(out, interval=60)
+    out = ClosableStream()
+    handler = BatchingHandler(out, interval=0.01)
     log = _logger(handler)
-    out.close()
+    out.shut = True
     log.info("lost")
-    handler.drain()  # ValueError (I/O on a closed file) swallowed
+    assert out.refused.wait(5)  # the writer thread met the closed stream
+    out.shut = False
+    log.info("kept")
+    # Written by the writer thread, still alive: stop() would drain on this thread instead.
+    deadline = time.monotonic() + 5
+    while "kept" not in out.getvalue():
+        assert time.monotonic() < deadline, "the writer died on the closed stream"
+        time.sleep(0.01)
     handler.stop()
+    assert out.getvalue() == "kept\n"  # what was logged while it was closed is dropped
