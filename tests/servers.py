@@ -95,7 +95,9 @@ def run_server(args: list[str], health_path: str, tmp_path: Path, name: str,
 
 
 def gateway_cmd(*args: str) -> list[str]:
-    return [str(BIN / "gateway"), *args]
+    # GATEWAY_TEST_BIN runs the suite's gateways from another build (an older tree, to show
+    # that a test fails there); unset, the checkout's own.
+    return [os.environ.get("GATEWAY_TEST_BIN") or str(BIN / "gateway"), *args]
 
 
 def loadtest_cmd(*args: str) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -190,15 +189,14 @@ def test_load_from_directory_and_file_paths(ours: HFTokenizer) -> None:
         assert load_tokenizer(spec).count_chat(messages, TOOLS) == expected
 
 
+@pytest.mark.timeout(10)  # offline, a hub id must fail at once, not wait on the network
 def test_load_errors_name_what_was_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TokenizerError, match=r"directory has no tokenizer\.json"):
         load_tokenizer(str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    started = time.monotonic()
     with pytest.raises(TokenizerError) as info:
         load_tokenizer("Qwen/Qwen2.5-72B-Instruct")
-    assert time.monotonic() - started < 5
     message = str(info.value)
     assert "tokenizer 'Qwen/Qwen2.5-72B-Instruct' not found; tried:" in message
     assert "local HF cache" in message and "HF_HUB_OFFLINE" in message
