@@ -21,5 +21,7 @@ USER gateway
 WORKDIR /home/gateway
 EXPOSE 8080
 # Policy at /etc/gateway/policy.yaml (mount a file or a ConfigMap there); add --redis-url to
-# share admission state with other replicas.
+# share admission state with other replicas. --host 0.0.0.0 is for callers; /admin/* stays on
+# this port behind its admin key, or add --admin-port N to move it to 127.0.0.1:N (reached with
+# `docker exec` or `kubectl port-forward`; --admin-host only to expose it on purpose).
 CMD ["gateway", "serve", "--policy", "/etc/gateway/policy.yaml", "--host", "0.0.0.0", "--port", "8080"]

@@ -100,6 +100,9 @@ class GatewayApp:
             exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
             lifespan=self._lifespan,
         )
+        # Starlette would answer a trailing slash with a 307 to a URL built from the caller's
+        # Host header, before authentication: an open redirect. A path is served as named.
+        self.starlette.router.redirect_slashes = False
         self.starlette.state.gateway = self
 
     def admin_app(self) -> Starlette:
@@ -108,6 +111,7 @@ class GatewayApp:
                                 Route("/healthz", ops.healthz, methods=["GET"]),
                                 Route("/metrics", ops.metrics, methods=["GET"])],
                         exception_handlers={HTTPException: _http_error})  # type: ignore[dict-item]
+        app.router.redirect_slashes = False  # as on the main port
         app.state.gateway = self
         return app
 
@@ -298,8 +302,10 @@ async def _busy(send: Send) -> None:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
-        return error_response(404, f"Unknown path {request.url.path}. This gateway serves "
-                              "/v1/chat/completions, /v1/completions and /v1/models.",
+        path = request.url.path
+        slash = " (without the trailing slash)" if len(path) > 1 and path.endswith("/") else ""
+        return error_response(404, f"Unknown path {path}. This gateway serves "
+                              f"/v1/chat/completions, /v1/completions and /v1/models{slash}.",
                               "invalid_request_error", "not_found")
     if exc.status_code == 405:
         return error_response(405, f"Method {request.method} is not allowed on "

@@ -14,6 +14,7 @@ official SDKs raise the matching exception (`BadRequestError`, `RateLimitError`,
       |     +-- ModelNotFound         404  no such model in the policy
       |     +-- RequestTimeout        408  the body trickled in slower than allowed
       |     +-- BodyTooLarge          413  over `server.max_body_bytes`
+      |     +-- UnsupportedMediaType  415  a body compressed (content-encoding other than identity)
       |     +-- QuotaExceeded         429  the tenant's token bucket is empty (`window`)
       |     +-- Overloaded            503  a pool is at capacity (`reason` names the limit)
       |           +-- NoBackendAvailable   no healthy backend in the pool
@@ -81,6 +82,10 @@ class RequestTimeout(Refusal):
 
 class BodyTooLarge(Refusal):
     code = "request_too_large"
+
+
+class UnsupportedMediaType(Refusal):
+    code = "unsupported_content_encoding"
 
 
 class QuotaExceeded(Refusal):

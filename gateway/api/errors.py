@@ -21,6 +21,7 @@ from gateway.errors import (
     QuotaExceeded,
     RequestTimeout,
     Unauthorized,
+    UnsupportedMediaType,
     UpstreamError,
 )
 from gateway.protocol import error_body, rate_limit_headers
@@ -33,6 +34,7 @@ _STATUS: dict[type[GatewayError], tuple[int, str]] = {
     ModelNotFound: (404, "invalid_request_error"),
     RequestTimeout: (408, "invalid_request_error"),
     BodyTooLarge: (413, "invalid_request_error"),
+    UnsupportedMediaType: (415, "invalid_request_error"),
     QuotaExceeded: (429, "tokens"),
     Overloaded: (503, "service_unavailable"),
     UpstreamError: (502, "upstream_error"),

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import http_error
-from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout
+from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
 from gateway.pipeline import Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import ClientGone
@@ -32,7 +32,7 @@ _ID_PREFIX = os.urandom(4).hex()
 _ids = itertools.count(1)
 _READ_HEADERS = frozenset({b"x-request-id", b"x-priority", b"authorization",
                            b"x-stainless-timeout", b"x-gateway-max-queue-ms",
-                           b"content-length"})
+                           b"content-length", b"content-encoding"})
 
 
 def new_request_id() -> str:
@@ -63,6 +63,13 @@ class AsgiClient:
         self._watcher: asyncio.Future[Any] | None = None
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
+        encoding = self.headers.get(b"content-encoding")
+        if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+            # The body would be read as JSON as it came, and a compressed one is no JSON; the
+            # gateway inflates nothing (a small body could inflate past max_body_bytes).
+            raise UnsupportedMediaType(
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; send the "
+                "body uncompressed.")
         declared = self.headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"The request body is {int(declared)} bytes; the limit is "

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(exc.render(), file=sys.stderr)
         return 1
-    problem = _check_ports(policy, args.port)
+    problem = _check_ports(policy, args.port, args.policy)
     if problem:
         print(f"gateway demo: {problem}", file=sys.stderr)
         return 1
@@ -65,19 +65,33 @@ def _backends(policy: Policy) -> list[tuple[str, str, str, int]]:
     return out
 
 
-def _check_ports(policy: Policy, gateway_port: int) -> str | None:
+def _check_ports(policy: Policy, gateway_port: int, policy_path: str) -> str | None:
     for pool, name, host, _ in _backends(policy):
         if host not in LOOPBACK:
             return (f"backend {pool}/{name} is at {host}; the demo only simulates engines on "
                     "loopback")
-    for port in [gateway_port] + [p for *_, p in _backends(policy)]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return (f"port {port} is already in use; stop what holds it (a previous "
-                        "demo?) or pick another port with --port")
+    if not _bindable(gateway_port):
+        return (f"port {gateway_port} (the gateway) is already in use; stop what holds it (a "
+                "previous demo?) or pick another port with --port")
+    for pool, name, _, port in _backends(policy):
+        if not _bindable(port):
+            return (f"port {port} (engine {pool}/{name}, its url in {policy_path}) is already "
+                    "in use; stop what holds it (a previous demo?), or move the engines: copy "
+                    "the policy, change its backend urls' ports, and pass the copy with "
+                    "--policy FILE (--port moves only the gateway)")
     return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        # As uvicorn and the engines bind: a connection of a previous run lingering in
+        # TIME_WAIT does not make the port busy for them, so it must not for this check.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _start_engines(policy: Policy, time_scale: float) -> list[subprocess.Popen[bytes]]:

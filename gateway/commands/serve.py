@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--admin-port", type=int, default=None,
                         help="serve /admin/* on this port only (default: on --port)")
+    # Not --host: a container binds --host 0.0.0.0 for its callers, and the admin API
+    # should not follow it there unless asked.
+    parser.add_argument("--admin-host", default="127.0.0.1",
+                        help="address of --admin-port (default 127.0.0.1)")
     parser.add_argument("--redis-url", default=None,
                         help="share reservations and quotas between replicas through Redis")
     parser.add_argument("--state-prefix", default="gw",
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             "redis_url": args.redis_url, "state_prefix": args.state_prefix,
             "policy_path": args.policy})
     serve(policy, args.host, args.port, args.log_level, args.redis_url, args.state_prefix,
-          policy_path=args.policy, admin_port=args.admin_port)
+          policy_path=args.policy, admin_port=args.admin_port, admin_host=args.admin_host)
     return 0
 
 
@@ -73,15 +77,18 @@ def _workers_problem(args: argparse.Namespace) -> str | None:
 def serve(policy: Policy, host: str, port: int, log_level: str = "info",
           redis_url: str | None = None, state_prefix: str = "gw",
           policy_path: str | None = None, admin_port: int | None = None,
-          sockets: list[socket.socket] | None = None) -> None:
+          sockets: list[socket.socket] | None = None, admin_host: str = "127.0.0.1") -> None:
     configure_logging(log_level)
     app = create_app(policy, redis_url=redis_url, state_prefix=state_prefix,
                      policy_path=policy_path, admin_routes=admin_port is None)
     limits = policy.server
-    server.run(app, host, port, max_header_bytes=limits.max_header_bytes,
+    server.run(app, host, port,
+               limits=server.ConnectionLimits(limits.max_header_bytes, limits.header_timeout_s,
+                                              limits.keep_alive_timeout_s),
                max_concurrency=limits.max_concurrent_requests * 2 + 64,
                admin_app=app.admin_app() if admin_port is not None else None,
-               admin_port=admin_port, on_sighup=app.reload, sockets=sockets)
+               admin_host=admin_host, admin_port=admin_port, on_sighup=app.reload,
+               sockets=sockets)
 
 
 def worker_main(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:

@@ -252,6 +252,13 @@ class ServerSpec(Strict):
     body_timeout_s: PositiveFloat = 30.0  # a client trickling its body gets 408 after this
     max_prompt_chars: PositiveInt = 2_000_000  # rejected with 400 before tokenizing
     max_header_bytes: PositiveInt = 64 * 2**10  # request line + headers; over it: 431
+    # From the connection's opening, or a later request's first byte, to its last header;
+    # past it the connection is closed (slowloris). This, max_header_bytes and
+    # keep_alive_timeout_s are fixed when serving starts: a reload keeps the old values.
+    header_timeout_s: PositiveFloat = 10.0
+    # An idle connection between requests. Longer than the usual load balancer's idle
+    # timeout (60 s), so the gateway never closes a connection the balancer is reusing.
+    keep_alive_timeout_s: PositiveFloat = 75.0
     max_json_depth: PositiveInt = 32  # nesting of the body's JSON; deeper: 400
     max_json_items: PositiveInt = 200_000  # values in the body's JSON; more: 400
     # Requests handled at once by this process; beyond it, 503 at once instead of an
