@@ -141,7 +141,7 @@ class GatewayApp:
         counters = await asyncio.to_thread(load_counters, self.policy)
         self._counters = {m.name: (m.tokenizer, counters[m.name]) for m in self.policy.models}
         self._session = make_session(self.policy)
-        self._state = create_state(self.redis_url, self.state_prefix)
+        self._state = create_state(self.redis_url, self.state_prefix, self.policy, self.metrics)
         rt = await self._build(self.policy, counters, None)
         self._install(rt, None)
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")

@@ -102,6 +102,17 @@ class GatewayMetrics:
         self.state_errors = Counter(
             "gateway_state_errors_total", "Failed operations on the state backend.", ["op"],
             registry=r)
+        self.state_breaker = Gauge(
+            "gateway_state_breaker_state", "The state backend's circuit breaker: 0 closed "
+            "(calls go to Redis), 1 open (every call fails at once and the fail mode applies), "
+            "2 half-open (one probe call in flight).", registry=r, multiprocess_mode="livemax")
+        self.state_timeouts = Counter(
+            "gateway_state_timeouts_total", "State-backend calls that ran out of the policy's "
+            "state.timeout_s (a Redis that hangs); each opens the circuit breaker.", ["op"],
+            registry=r)
+        self.state_breaker_opens = Counter(
+            "gateway_state_breaker_opens_total", "Times the state backend's circuit breaker "
+            "opened from closed: outages of the shared state, however short.", registry=r)
         self.shadow_decisions = Counter(
             "gateway_shadow_decisions_total", "What admission or a tenant rule in shadow mode "
             "would have done; the request was forwarded regardless.",
@@ -143,6 +154,7 @@ class GatewayMetrics:
             buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0), registry=r)
         for op in ("reserve", "release", "refresh", "usage", "quota"):
             self.state_errors.labels(op)  # from 0, so a single error is an increase
+            self.state_timeouts.labels(op)
         self._children: dict[tuple[str, ...], Any] = {}
 
     def publish_policy(self, policy: Policy) -> None:

@@ -8,6 +8,7 @@ The tree, top down:
     server:   limits on what callers may send
     upstream: how the gateway talks to engines
     health:   how backends are probed and ejected
+    state:    how the shared state (Redis) is called when it is slow or gone
 """
 
 from __future__ import annotations
@@ -305,6 +306,16 @@ class HealthSpec(Strict):
     cooldown_s: PositiveFloat = 10.0
 
 
+class StateSpec(Strict):
+    """Calls on the shared state (`--redis-url`): a Redis that hangs must turn into the pools'
+    fail mode within a bound, never into slow requests. Read at start-up."""
+
+    timeout_s: PositiveFloat = 0.5  # each call, connecting and its one reconnect included
+    # After a timeout or a failed connect, every call fails at once this long; then one call
+    # probes the store (with the same timeout) and its success ends the outage.
+    probe_interval_s: PositiveFloat = 1.0
+
+
 class Policy(Strict):
     version: Literal[1] = 1
     models: Annotated[list[ModelSpec], Field(min_length=1)]
@@ -314,6 +325,7 @@ class Policy(Strict):
     upstream: UpstreamSpec = UpstreamSpec()
     health: HealthSpec = HealthSpec()
     signals: SignalsSpec = SignalsSpec()
+    state: StateSpec = StateSpec()
     auth: AuthSpec = AuthSpec()
     tenants: list[TenantSpec] = []
 

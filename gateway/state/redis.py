@@ -4,19 +4,41 @@ Each check-and-update is exactly one Lua script, kept as a .lua file and registe
 (EVALSHA). Keys carry a `{pool}` hash tag so all keys of a pool share one Redis Cluster slot
 and a script can touch them together. Redis errors become `StateError`; admission decides
 what that means (fail open or closed).
+
+Every call is bounded by the policy's `state.timeout_s`, connecting included, and goes through
+a circuit breaker (gateway/state/breaker.py): a Redis that hangs costs the first call its
+timeout, and the calls after it fail at once until a probe gets an answer.
+
+What an outage would otherwise leave behind:
+- A reserve that timed out may still run: a stopped Redis reads it from its socket when it
+  resumes. A release that failed did not run. Both leases are released once Redis answers
+  again (releasing is idempotent), instead of holding their blocks for the lease TTL.
+- A restarted Redis has forgotten the quota buckets, and a tenant in debt (its settled usage
+  beyond what it reserved, or a full bucket's one oversized request) would get a full one.
+  The bucket script re-seeds a missing bucket from the level this replica last saw, refilled
+  for the time since; another replica's newer view is lost, and so is usage during the outage
+  (quotas are not charged while the store is down).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy.model import StateSpec
 from gateway.state.base import (
     Bucket,
     BucketResult,
@@ -27,8 +49,17 @@ from gateway.state.base import (
     StateBackend,
     StateError,
 )
+from gateway.state.breaker import CLOSED, NAMES, Breaker
 
 DEFAULT_PREFIX = "gw"
+UNRELEASED_MAX = 100_000  # leases kept for release after an outage; beyond, the TTL frees them
+
+log = logging.getLogger("gateway.state")
+T = TypeVar("T")
+
+
+class NotSent(StateError):
+    """Failed before reaching Redis: the breaker is open, or this replica's pool is full."""
 
 
 def _script(name: str, with_purge: bool = False) -> str:
@@ -48,42 +79,141 @@ def pool_keys(pool: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
 class RedisState(StateBackend):
     name = "redis"
 
-    def __init__(self, url: str, timeout_s: float = 0.5, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, spec: StateSpec | None = None,
+                 metrics: GatewayMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
         self.prefix = prefix
-        # Short timeouts and no hidden retries: a Redis that is down must turn into the
-        # policy's fail mode within a fraction of a second, never into a hung request.
+        self.spec = spec or StateSpec()
+        self.metrics = metrics
+        self.clock = clock
+        self.timeout_s = self.spec.timeout_s
+        self.breaker = Breaker(self.spec.probe_interval_s, clock, self._on_breaker)
+        # No hidden retry of a timeout (the breaker decides what a timeout means), and the
+        # socket timeouts only back up the per-call deadline that _call sets.
         self.client: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry_on_timeout=False, health_check_interval=5, max_connections=256,
             # A pooled connection to a Redis that restarted fails its next command; one
             # reconnect keeps that release (or reserve) from being lost to a dead socket.
-            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            retry_on_error=[RedisConnectionError])
         self._reserve = self.client.register_script(_script("reserve.lua", with_purge=True))
         self._release = self.client.register_script(_script("release.lua"))
         self._refresh = self.client.register_script(_script("refresh.lua"))
         self._usage = self.client.register_script(_script("usage.lua", with_purge=True))
         self._bucket = self.client.register_script(_script("bucket.lua"))
+        self._seen: dict[str, tuple[int, float]] = {}  # bucket key -> (level, when: clock)
+        # Leases to release at the next answer: their reserve may have run unseen (it timed
+        # out), or their release failed.
+        self._unreleased: dict[str, Lease] = {}
+        self._flush: asyncio.Task[None] | None = None
+        if metrics is not None:
+            metrics.state_breaker.set(self.breaker.state)
 
-    async def _call(self, coro: Any) -> Any:
+    # --- every call: a deadline and the breaker -------------------------------------------
+
+    async def _call(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()` under the deadline and the breaker; `op` labels its metrics."""
+        probe = self.breaker.admit()
+        if probe is None:
+            raise NotSent(f"redis: unavailable for {self.breaker.outage_s:.1f} s (circuit open; "
+                          "the fail mode applies)")
         try:
-            return await coro
-        except (TimeoutError, RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout_s):
+                result = await call()
+        except (TimeoutError, RedisTimeoutError) as exc:  # TimeoutError first: it is an OSError
+            self._timed_out(op)
+            self.breaker.failed()
+            raise StateError(f"redis: no answer within {self.timeout_s:g} s (state.timeout_s)") \
+                from exc
+        except MaxConnectionsError as exc:  # our own pool is full: says nothing of Redis
+            raise NotSent(f"redis: {exc}") from exc
+        except (RedisConnectionError, OSError) as exc:
+            self.breaker.failed()
             raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
+        except RedisError as exc:  # an error reply: Redis is there
+            self.breaker.succeeded()
+            raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
+        except BaseException:  # cancelled: the caller left before any answer
+            self.breaker.abandoned(probe)
+            raise
+        self.breaker.succeeded()
+        if self._unreleased and (self._flush is None or self._flush.done()):
+            self._flush = asyncio.get_running_loop().create_task(self._release_left())
+        return result
+
+    def _timed_out(self, op: str) -> None:
+        if self.metrics is not None:
+            self.metrics.state_timeouts.labels(op).inc()
+
+    def _on_breaker(self, old: int, new: int) -> None:
+        if self.metrics is not None:
+            self.metrics.state_breaker.set(new)
+            if old == CLOSED:
+                self.metrics.state_breaker_opens.inc()
+        # The outage's start and end; the probes in between (one per interval) only at debug.
+        if old == CLOSED:
+            log.warning("state backend %s: no answer; circuit open, calls fail at once (the "
+                        "fail mode applies), one probes every %g s", _safe(self.url),
+                        self.spec.probe_interval_s)
+        elif new == CLOSED:
+            log.warning("state backend %s: answers again after %.1f s; circuit closed",
+                        _safe(self.url), self.clock() - self.breaker.outage_since)
+        else:
+            log.debug("state backend: circuit %s -> %s", NAMES[old], NAMES[new])
+
+    def _keep_for_release(self, lease: Lease) -> None:
+        if len(self._unreleased) >= UNRELEASED_MAX:
+            self._unreleased.pop(next(iter(self._unreleased)))  # the oldest: its TTL is nearest
+        self._unreleased[lease.lease_id] = lease
+
+    async def _release_left(self) -> None:
+        """Release what an outage left held in Redis, until Redis is out again."""
+        released = 0
+        while self._unreleased:
+            lease_id, lease = next(iter(self._unreleased.items()))
+            try:
+                await self._release_one(lease)
+                released += 1
+            except StateError:
+                if self.breaker.state != CLOSED:
+                    break  # out again: kept for the next answer
+                # An error reply: trying again would get the same; the TTL frees it.
+            self._unreleased.pop(lease_id, None)
+        if released:
+            log.warning("state backend: released %d lease(s) left by an outage", released)
+
+    # --- the operations ---------------------------------------------------------------------
 
     async def reserve(self, lease: Lease, limits: Limits, ttl_s: float) -> ReserveResult:
         max_tokens = -1 if limits.max_tokens is None else limits.max_tokens
         tenant_max = -1 if limits.tenant_max_blocks is None else limits.tenant_max_blocks
-        ok, blocks, tokens, reason = await self._call(self._reserve(
-            keys=pool_keys(lease.pool, self.prefix),
-            args=[lease.lease_id, lease.backend, lease.blocks, lease.tokens,
-                  limits.max_blocks, max_tokens, int(ttl_s * 1000), lease.tenant,
-                  tenant_max]))
+        try:
+            ok, blocks, tokens, reason = await self._call("reserve", lambda: self._reserve(
+                keys=pool_keys(lease.pool, self.prefix),
+                args=[lease.lease_id, lease.backend, lease.blocks, lease.tokens,
+                      limits.max_blocks, max_tokens, int(ttl_s * 1000), lease.tenant,
+                      tenant_max]))
+        except NotSent:
+            raise
+        except StateError:
+            # It may have been taken all the same: a hung Redis runs it on resuming.
+            self._keep_for_release(lease)
+            raise
         return ReserveResult(bool(ok), int(blocks), int(tokens), _text(reason))
 
     async def release(self, lease: Lease) -> None:
-        await self._call(self._release(keys=pool_keys(lease.pool, self.prefix),
-                                       args=[lease.lease_id]))
+        try:
+            await self._release_one(lease)
+        except StateError:
+            self._keep_for_release(lease)
+            raise
+        self._unreleased.pop(lease.lease_id, None)
+
+    async def _release_one(self, lease: Lease) -> None:
+        await self._call("release", lambda: self._release(
+            keys=pool_keys(lease.pool, self.prefix), args=[lease.lease_id]))
 
     async def refresh(self, leases: list[Lease], ttl_s: float) -> None:
         by_pool: dict[str, list[str]] = {}
@@ -91,11 +221,14 @@ class RedisState(StateBackend):
             by_pool.setdefault(lease.pool, []).append(lease.lease_id)
         ttl_ms = int(ttl_s * 1000)
         for pool, ids in by_pool.items():
-            await self._call(self._refresh(keys=pool_keys(pool, self.prefix)[:1],
-                                           args=[ttl_ms, *ids]))
+            await self._refresh_pool(pool, ids, ttl_ms)
+
+    async def _refresh_pool(self, pool: str, ids: list[str], ttl_ms: int) -> None:
+        await self._call("refresh", lambda: self._refresh(
+            keys=pool_keys(pool, self.prefix)[:1], args=[ttl_ms, *ids]))
 
     async def usage(self, pool: str) -> PoolUsage:
-        raw = await self._call(self._usage(keys=pool_keys(pool, self.prefix)))
+        raw = await self._call("usage", lambda: self._usage(keys=pool_keys(pool, self.prefix)))
         blocks = {_text(raw[i]): int(raw[i + 1]) for i in range(1, len(raw), 2)}
         return PoolUsage(blocks, int(raw[0]))
 
@@ -106,24 +239,46 @@ class RedisState(StateBackend):
         return await self._bucket_call(bucket, delta, "adjust")
 
     async def _bucket_call(self, bucket: Bucket, amount: int, op: str) -> BucketResult:
-        ok, remaining, reset_ms = await self._call(self._bucket(
+        # The level this replica last saw, and how long ago: the script re-seeds the bucket
+        # from it if Redis has lost the key (a restart), so a tenant's debt survives.
+        seen = self._seen.get(bucket.key)
+        seed = ["", 0] if seen is None else [seen[0], int((self.clock() - seen[1]) * 1000)]
+        ok, remaining, reset_ms = await self._call("quota", lambda: self._bucket(
             keys=[f"{self.prefix}:quota:{{{bucket.key}}}"],
-            args=[amount, bucket.capacity, repr(bucket.refill_per_s), op]))
+            args=[amount, bucket.capacity, repr(bucket.refill_per_s), op, *seed]))
+        self._seen[bucket.key] = (int(remaining), self.clock())
         return BucketResult(bool(ok), int(remaining), int(reset_ms) / 1000)
 
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
         key = f"{self.prefix}:replicas"
-        async with self.client.pipeline(transaction=False) as pipe:
-            now = await self._call(self.client.time())
+
+        async def beat() -> int:
+            now = await self.client.time()
             now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-            pipe.zadd(key, {replica_id: now_ms + int(ttl_s * 1000)})
-            pipe.zremrangebyscore(key, "-inf", now_ms)
-            pipe.zcard(key)
-            results = await self._call(pipe.execute())
-        return max(1, int(results[-1]))
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(key, {replica_id: now_ms + int(ttl_s * 1000)})
+                pipe.zremrangebyscore(key, "-inf", now_ms)
+                pipe.zcard(key)
+                results = await pipe.execute()
+            return int(results[-1])
+
+        return max(1, await self._call("refresh", beat))
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            await asyncio.gather(self._flush, return_exceptions=True)
         await self.client.aclose()
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
 
 
 def _text(value: Any) -> str:
