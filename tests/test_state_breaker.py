@@ -142,9 +142,10 @@ def test_a_hung_redis_costs_one_timeout_then_fails_fast_until_it_answers(
 
 def test_a_redis_restart_keeps_a_tenants_quota_debt(
         tmp_path: Path, start_sim: StartSim, start_gateway: StartGateway) -> None:
-    """The tenant reserves a little (the expected output is 16 tokens) and uses much more (300
-    tokens, ignore_eos): settled, its day bucket of 200 is about 115 in debt. A restarted Redis
-    has no bucket; a full one would admit the tenant at once."""
+    """The tenant's one request uses 300 output tokens (ignore_eos) against a day bucket of
+    200: settled, the bucket is about 115 in debt, whether the request reserved its expected
+    output (16 tokens, overdrawn at settlement) or its max_tokens (a full bucket gives once,
+    going negative). A restarted Redis has no bucket; a full one would admit the tenant."""
     tenants = ("defaults: {expected_output_tokens: 16}\n"
                "tenants:\n  - {name: anonymous, tokens_per_day: 200}\n")
     key = "gw:quota:{anonymous:day}"
