@@ -113,6 +113,7 @@ class GatewayApp:
                         exception_handlers={HTTPException: _http_error})  # type: ignore[dict-item]
         app.router.redirect_slashes = False  # as on the main port
         app.state.gateway = self
+        app.state.admin_port = True  # where auth.metrics: admin_port serves /metrics
         return app
 
     def _runtime(self) -> Runtime:

@@ -46,6 +46,16 @@ class Backend:
     def available(self, now: float) -> bool:
         return self.probe_ok and now >= self.ejected_until
 
+    def public_status(self, now: float) -> str:
+        """`status` without the failure's details (they may name the engine's address): what
+        callers and /readyz see; the admin API shows the details."""
+        if not self.probe_ok:
+            return "down: health probe failed"
+        if now < self.ejected_until:
+            return (f"ejected for {self.ejected_until - now:.1f}s after "
+                    f"{self.consecutive_failures} consecutive failures")
+        return "up"
+
     def status(self, now: float) -> str:
         if not self.probe_ok:
             return f"down: health probe failed ({self.last_error})"
@@ -121,8 +131,11 @@ class Backends:
 
     async def _probe(self, session: aiohttp.ClientSession, b: Backend) -> None:
         timeout = aiohttp.ClientTimeout(total=self.policy.health.probe_timeout_s)
+        # The probe carries the backend's key, as requests do: an engine that requires one
+        # answers 401 to a bare probe and would look down forever.
+        headers = {"authorization": b.auth_header} if b.auth_header else None
         try:
-            async with session.get(b.probe_url, timeout=timeout) as resp:
+            async with session.get(b.probe_url, timeout=timeout, headers=headers) as resp:
                 await resp.read()
                 ok, detail = resp.status == 200, f"HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:

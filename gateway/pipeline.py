@@ -77,6 +77,9 @@ class Client(Protocol):
         """Answer with `err` unless the answer has started or the caller has gone; return
         its HTTP status either way."""
 
+    def linger(self, seconds: float) -> None:
+        """From here on a disconnect does not cut the request at once, but `seconds` later."""
+
     def detach(self) -> None:
         """Stop listening for a disconnect: from here on only the release is left to do."""
 
@@ -121,7 +124,15 @@ class Work:
 
     @property
     def tokens(self) -> int:
+        """Tokens admission expects the request to hold (prompt + the learned output)."""
         return (self.cost.prompt_tokens + self.cost.expected_output_tokens) * self.sequences
+
+    @property
+    def quota_tokens(self) -> int:
+        """Tokens the tenant's quota reserves: what the request may use (prompt + its
+        `max_tokens`, or the pool's default), not what others' traffic suggests, so that a
+        burst of parallel requests cannot pass the bucket."""
+        return (self.cost.prompt_tokens + self.cost.max_output_tokens) * self.sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +142,6 @@ class Prepared:
     caller: Caller
     endpoint: Endpoint
     model: ModelSpec
-    body: bytes
     data: dict[str, Any]
     parsed: ParsedRequest
     prompt: Prompt
@@ -180,18 +190,19 @@ class Pipeline:
 
     # count ------------------------------------------------------------------------------------
 
-    async def count(self, model: ModelSpec, data: dict[str, Any],
-                    parsed: ParsedRequest) -> Prompt:
+    async def count(self, model: ModelSpec, data: dict[str, Any], parsed: ParsedRequest,
+                    caller: Caller) -> Prompt:
         counter = self.rt.counters[model.name]
+        who = caller.tenant.name  # long prompts take turns by tenant
         try:
             if isinstance(parsed, ChatCompletionRequest):
                 # vLLM's normalisation first (null content, text parts, tool-call arguments),
                 # so the count is the engine's count.
                 tc = await counter.measure_chat(openai_messages(data["messages"]),
-                                                data.get("tools"),
-                                                **template_kwargs(data))
+                                                data.get("tools"), template_kwargs(data),
+                                                caller=who)
                 return Prompt(tc.tokens, 1, tc.exact, tc.chars)
-            counts = await counter.measure_prompt(data["prompt"])
+            counts = await counter.measure_prompt(data["prompt"], caller=who)
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param,
                                  code="prompt_too_long" if isinstance(exc, PromptTooLong)
@@ -233,10 +244,10 @@ class Pipeline:
         endpoint, data, parsed = self.parse(body, inbound.endpoint)
         model = self.rt.router.model(parsed.model)
         self.rt.tenants.check_model(caller.tenant, model.name)
-        prompt = await self.count(model, data, parsed)
+        prompt = await self.count(model, data, parsed, caller)
         route = self.route(model, prompt, parsed)
         work = self.estimate(model, route, prompt, parsed)
-        return Prepared(caller, endpoint, model, body, data, parsed, prompt, route, work)
+        return Prepared(caller, endpoint, model, data, parsed, prompt, route, work)
 
     # preview: /gateway/estimate ---------------------------------------------------------------
 
@@ -275,7 +286,7 @@ class Pipeline:
         task = asyncio.current_task()
         try:
             p = await self.prepare(inbound, client, on_read)
-            quota = await rt.quotas.take(p.caller.tenant, p.work.tokens, p.route.pool)
+            quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             upstream_body, strip_usage = self._upstream_body(p)
             ticket = await rt.admission.admit(p.ask())
             relay = Relay()
@@ -286,6 +297,10 @@ class Pipeline:
                           bool(p.parsed.stream), _answer_headers(inbound, p, ticket, quota),
                           strip_usage, partial(rt.admission.prefill_done, ticket))
             forward_start = asyncio.get_running_loop().time()
+            if not up.stream:
+                # The engine's usage comes only with a whole answer: read it even if the
+                # caller leaves (bounded), or the caller could cut to dodge its quota.
+                client.linger(rt.policy.upstream.disconnect_drain_s)
             await self._forward(p, up, relay, ticket, client.send, forward_start)
         except asyncio.CancelledError:
             if not client.gone:
@@ -306,7 +321,8 @@ class Pipeline:
             if ticket is not None:
                 await asyncio.shield(rt.admission.release(ticket))
             if quota is not None:
-                await asyncio.shield(rt.quotas.settle(quota, tokens_used(record)))
+                await asyncio.shield(rt.quotas.settle(quota, _charge(record, quota,
+                                                                     client.gone)))
         if record is not None:
             self.observe(record, client.gone, forward_start)
 
@@ -320,8 +336,9 @@ class Pipeline:
             data["stream_options"] = {**(data.get("stream_options") or {}),
                                       "include_usage": True}
             strip_usage = True
-        if p.model.upstream_name == parsed.model and not strip_usage:
-            return p.body, False  # as the caller sent it: no second serialisation
+        # Always what the gateway read, never the caller's bytes: JSON with a key twice reads
+        # last-wins here and first-wins in some engines, and the engine must run what was
+        # counted and admitted.
         data["model"] = p.model.upstream_name
         return orjson.dumps(data), strip_usage
 
@@ -404,6 +421,17 @@ class Pipeline:
 
 def profile_of(model: ModelSpec) -> ModelProfile:
     return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
+
+
+def _charge(record: Record | None, quota: QuotaTicket, gone: bool) -> int | None:
+    """Tokens to charge the tenant: the engine's usage; everything reserved when the engine
+    took the request but no usage could be read (a non-streaming answer cut after its caller
+    left); nothing (None: a full refund) when no engine took it."""
+    used = tokens_used(record)
+    if used is None and gone and record is not None and not record.stream \
+            and record.relay.attempts and record.relay.status in (0, 200):
+        return quota.taken
+    return used
 
 
 def _answer_headers(inbound: Inbound, p: Prepared, ticket: Ticket,

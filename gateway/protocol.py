@@ -8,7 +8,7 @@ fields pass through untouched, as vLLM's models allow.
 
 from __future__ import annotations
 
-import contextlib
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -178,16 +178,26 @@ def client_deadline(headers: Mapping[bytes, bytes]) -> float | None:
     half of it in the queue leaves too little time to generate.
     """
     deadline = None
-    raw = headers.get(b"x-gateway-max-queue-ms")
-    if raw:
-        with contextlib.suppress(ValueError):
-            deadline = max(0.0, float(raw) / 1000)
-    raw = headers.get(b"x-stainless-timeout")
-    if raw:
-        with contextlib.suppress(ValueError):
-            half = max(0.0, float(raw) / 2)
-            deadline = half if deadline is None else min(deadline, half)
+    ms = _seconds(headers.get(b"x-gateway-max-queue-ms"))
+    if ms is not None:
+        deadline = max(0.0, ms / 1000)
+    sdk = _seconds(headers.get(b"x-stainless-timeout"))
+    if sdk is not None:
+        half = max(0.0, sdk / 2)
+        deadline = half if deadline is None else min(deadline, half)
     return deadline
+
+
+def _seconds(raw: bytes | None) -> float | None:
+    """A number of a header, or None for anything that is not a finite number ('abc', 'nan',
+    'inf' alike: none of them states a deadline)."""
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ several waiters, encode/httpcore#822), while aiohttp relays >20x the chunks/s pe
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.protocol import sse_error_frame
 from gateway.routing import Router
+
+log = logging.getLogger("gateway.proxy")
 
 _USAGE_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -110,9 +113,9 @@ class Forwarder:
             ex.attempts += 1
             backend.outstanding += 1
             try:
-                resp = await self._open(up, backend)
+                resp, failure = await self._open(up, backend)
                 if resp is None:  # connect failure: nothing reached the engine; try another
-                    last_error = backend.last_error
+                    last_error = f"`{backend.name}`: {failure}"
                     continue
                 async with resp:
                     await self._relay(up, ex, backend, resp, send)
@@ -124,9 +127,12 @@ class Forwarder:
                                      retry_after_s=1)
         raise UpstreamError(
             f"Could not reach any backend of pool `{up.pool}` "
-            f"({ex.attempts} tried; last: {last_error}).")
+            f"({ex.attempts} tried; last: {last_error}).", backend=ex.backend.name
+            if ex.backend is not None else None)
 
-    async def _open(self, up: Upstream, backend: Backend) -> aiohttp.ClientResponse | None:
+    async def _open(self, up: Upstream, backend: Backend
+                    ) -> tuple[aiohttp.ClientResponse | None, str]:
+        """The engine's response, or None and what went wrong in words fit for the caller."""
         url = backend.chat_url if up.endpoint == "chat" else backend.completions_url
         headers = {"content-type": "application/json", "x-request-id": up.request_id,
                    "accept-encoding": "identity"}
@@ -134,15 +140,15 @@ class Forwarder:
             headers["authorization"] = backend.auth_header
         try:
             return await self.session.post(url, data=up.body, headers=headers,
-                                           timeout=self.timeout)
+                                           timeout=self.timeout), ""
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
             # engine did not start on this request, so another backend may take it.
             self.backends.record_failure(backend, "connect", _describe(exc))
-            return None
+            return None, _public(exc)
         except TimeoutError:
             self.backends.record_failure(backend, "timeout", "connect timeout")
-            return None
+            return None, "connect timeout"
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
                      resp: aiohttp.ClientResponse, send: Send) -> None:
@@ -154,9 +160,12 @@ class Forwarder:
         if resp.status >= 500 and resp.status != 503:
             body = await self._read_body(backend, resp)
             self.backends.record_failure(backend, "status_5xx", f"HTTP {resp.status}")
+            # The engine's own message stays in the log: it may carry its internals.
+            log.warning("engine %s/%s answered HTTP %d: %s", backend.pool, backend.name,
+                        resp.status, _error_message(body))
             raise UpstreamError(
-                f"The engine `{backend.name}` failed with HTTP {resp.status}: "
-                f"{_error_message(body)}", backend=backend.name)
+                f"The engine `{backend.name}` failed with HTTP {resp.status}.",
+                backend=backend.name)
         if resp.status != 200 or not up.stream:
             body = await self._read_body(backend, resp)
             if resp.status == 200:
@@ -176,8 +185,8 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
             self.backends.record_failure(backend, kind, _describe(exc))
-            raise UpstreamError(f"The engine `{backend.name}` broke off its answer: "
-                                f"{_describe(exc)}") from None
+            raise UpstreamError(f"The engine `{backend.name}` broke off its answer "
+                                f"({_public(exc)}).", backend=backend.name) from None
 
     async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
@@ -226,8 +235,8 @@ class Forwarder:
             resp.close()  # do not return a half-read connection to the pool
             await send({"type": "http.response.body", "more_body": False,
                         "body": sse_error_frame(
-                            f"The engine `{backend.name}` broke off the stream: "
-                            f"{_describe(exc)}")})
+                            f"The engine `{backend.name}` broke off the stream "
+                            f"({_public(exc)}).")})
         else:
             self.backends.record_success(backend)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -265,6 +274,20 @@ def _error_message(body: bytes) -> str:
     except (orjson.JSONDecodeError, AttributeError):
         pass
     return body[:200].decode("utf-8", "replace") or "(empty body)"
+
+
+def _public(exc: BaseException) -> str:
+    """What went wrong, in words that name no address and carry no exception text: the
+    caller sees these; the details go to the log and /admin/state."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the engine closed the connection"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection refused or unreachable"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    return "connection error"
 
 
 def _describe(exc: BaseException) -> str:

@@ -37,9 +37,16 @@ def buckets(tenant: TenantSpec) -> tuple[Bucket, ...]:
 
 
 def window_of(bucket: Bucket, result: BucketResult, requested: int) -> RateWindow:
-    """What a client should know of `bucket` after asking it for `requested` tokens."""
-    missing = max(0, requested - max(0, result.remaining))
-    retry = missing / bucket.refill_per_s if missing and bucket.refill_per_s else float(missing)
+    """What a client should know of `bucket` after asking it for `requested` tokens.
+
+    The bucket gives when it holds what is asked, or when it is full (a request larger than
+    the whole bucket goes through once it is full), so the wait is until it holds the smaller
+    of the two; a tenant in debt (a negative level, after usage beyond its reservations)
+    waits for the debt to refill first.
+    """
+    needed = min(requested, bucket.capacity)
+    missing = max(0, needed - result.remaining)
+    retry = missing / bucket.refill_per_s if bucket.refill_per_s else float(missing)
     return RateWindow(bucket.capacity, result.remaining, result.reset_s, retry)
 
 
@@ -70,7 +77,7 @@ async def take_quota(state: StateBackend, tenant: TenantSpec, tokens: int,
                 f"Rate limit reached for tenant `{tenant.name}` on tokens per "
                 f"{bucket.key.rsplit(':', 1)[1]}: limit {bucket.capacity}, remaining "
                 f"{max(0, result.remaining)}, requested {tokens}. Please try again in "
-                f"{result.reset_s:.1f}s.", refused)
+                f"{max(1.0, refused.retry_s):.1f}s.", refused)
         return QuotaTicket(tenant.name, 0, (), None)
     return QuotaTicket(tenant.name, tokens, tuple(taken), window)
 

@@ -98,7 +98,7 @@ class Router:
             target = self.policy.pools[pool].overflow_to
             if target and target in fits and self.backends.healthy(target):
                 return Route(model, target, overflow=True)
-        down = "; ".join(f"{b.pool}/{b.name}: {b.status(self.backends.clock())}"
+        down = "; ".join(f"{b.pool}/{b.name}: {b.public_status(self.backends.clock())}"
                          for pool in in_range for b in self.backends.pools[pool])
         raise NoBackendAvailable(
             f"No healthy backend for the model `{model.name}` at {prompt_tokens} prompt "

@@ -59,7 +59,11 @@ def _json(data: object, status: int = 200) -> Response:
 
 def _refuse(request: Request) -> Response | None:
     gw: GatewayApp = request.app.state.gateway
-    rt = gw.runtime
+    return refuse_non_admin(request, gw.runtime)
+
+
+def refuse_non_admin(request: Request, rt: Runtime | None) -> Response | None:
+    """The answer for a caller without an admin key; None for an admin."""
     env_key = os.environ.get(ADMIN_KEY_ENV)
     if rt is None:
         return Response(error_body("Not ready.", "service_unavailable"), 503,

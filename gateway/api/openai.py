@@ -49,8 +49,8 @@ def inbound(scope: Scope, endpoint: Endpoint | None) -> Inbound:
 class AsgiClient:
     """The caller of one request, over ASGI: what the pipeline's `Client` asks for."""
 
-    __slots__ = ("_on_receive", "_task", "_watcher", "gone", "headers", "receive", "rid",
-                 "send")
+    __slots__ = ("_cut", "_linger_s", "_task", "_watcher", "gone", "headers", "receive",
+                 "rid", "send")
 
     def __init__(self, receive: Receive, send: Send, headers: Mapping[bytes, bytes],
                  request_id: str) -> None:
@@ -61,6 +61,8 @@ class AsgiClient:
         self.gone = False
         self._task = asyncio.current_task()
         self._watcher: asyncio.Future[Any] | None = None
+        self._linger_s: float | None = None
+        self._cut: asyncio.TimerHandle | None = None
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         encoding = self.headers.get(b"content-encoding")
@@ -106,14 +108,25 @@ class AsgiClient:
         if not fut.cancelled() and fut.exception() is None \
                 and fut.result()["type"] == "http.disconnect":
             self.gone = True
-            if self._task is not None:
+            if self._task is None:
+                return
+            if self._linger_s is None:
                 self._task.cancel()
+            else:
+                self._cut = asyncio.get_running_loop().call_later(self._linger_s,
+                                                                  self._task.cancel)
+
+    def linger(self, seconds: float) -> None:
+        self._linger_s = seconds
 
     def detach(self) -> None:
         if self._watcher is not None:
             self._watcher.remove_done_callback(self._disconnected)
             self._watcher.cancel()
             self._watcher = None
+        if self._cut is not None:
+            self._cut.cancel()
+            self._cut = None
 
     async def reply_error(self, err: GatewayError, response_started: bool) -> int:
         answer = http_error(err)

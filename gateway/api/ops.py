@@ -9,7 +9,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.admin import refuse_non_admin
 from gateway.observe.metrics import exposition_registry
+from gateway.protocol import error_body
 from gateway.runtime import runtime_of
 
 
@@ -25,7 +27,7 @@ async def readyz(request: Request) -> Response:
     pools: dict[str, object] = {}
     not_ready: list[str] = []
     for pool, backends in rt.backends.pools.items():
-        states = {b.name: b.status(now) for b in backends}
+        states = {b.name: b.public_status(now) for b in backends}
         healthy = [name for name, s in states.items() if s == "up"]
         pools[pool] = {"healthy": len(healthy), "backends": states}
         if not healthy:
@@ -40,6 +42,14 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     rt = runtime_of(request)
     assert rt is not None, "lifespan has not run"
+    access = rt.policy.auth.metrics
+    if access == "admin_port" and not getattr(request.app.state, "admin_port", False):
+        return Response(error_body(
+            f"Unknown path {request.url.path}: metrics are served on the admin port "
+            "(auth.metrics: admin_port).", "invalid_request_error", None, "not_found"),
+            404, media_type="application/json")
+    if access == "admin_key" and (refused := refuse_non_admin(request, rt)) is not None:
+        return refused
     # Rendering walks every series; do it off the event loop.
     text = await asyncio.to_thread(
         lambda: generate_latest(exposition_registry(rt.metrics.registry)))

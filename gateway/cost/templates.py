@@ -221,13 +221,14 @@ def render(
     """Render one conversation to the text the engine will encode."""
     if not messages:
         raise TemplateError("messages: must not be empty")
-    # Caller kwargs override special tokens, as in transformers.
-    variables: dict[str, Any] = {**special_tokens, **_plain(template_kwargs)}
+    # Caller kwargs override special tokens and `documents`, as in transformers (and vLLM,
+    # which updates its own template arguments with the caller's).
+    variables: dict[str, Any] = {**special_tokens, "documents": None,
+                                 **_plain(template_kwargs)}
     try:
         return template.render(
             messages=prepare_messages(messages),
             tools=_plain(list(tools)) if tools is not None else None,
-            documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )

@@ -290,6 +290,9 @@ class AuthSpec(Strict):
     admin_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = []  # SHA-256 hex
     # Key sent to engines when a backend names no api_key_env of its own.
     upstream_api_key_env: str | None = None
+    # Who may read /metrics (it names tenants, their quotas and usage): anyone, callers with
+    # an admin key, or only the admin port (`gateway serve --admin-port`).
+    metrics: Literal["public", "admin_key", "admin_port"] = "public"
 
 
 class UpstreamSpec(Strict):
@@ -297,6 +300,9 @@ class UpstreamSpec(Strict):
     read_timeout_s: PositiveFloat = 600.0  # between two reads; long prefills stay silent
     max_connections: PositiveInt = 4096
     keepalive_timeout_s: PositiveFloat = 4.0  # under the engines' own (uvicorn: 5 s)
+    # A non-streaming request whose caller leaves is read to its end for this long, so its
+    # quota is charged the engine's usage; past it the request is cut and charged in full.
+    disconnect_drain_s: NonNegativeFloat = 30.0
 
 
 class HealthSpec(Strict):
