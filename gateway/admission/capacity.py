@@ -55,10 +55,22 @@ class Capacity:
         ps.guard.rescale(ceiling, floor=min(ceiling, 0.05 * ceiling))
         self.metrics.latency_guard_limit.labels(ps.name).set(ps.guard.limit)
 
+    @staticmethod
+    def engine_blocks(ps: PoolState, sample: EngineSample) -> int | None:
+        """The engine's own KV capacity in blocks of the pool's `block_size`, which is what
+        reservations count (ceil(tokens / block_size) per request)."""
+        size = ps.spec.block_size
+        # Tokens first: vLLM's kv_cache_size_tokens is group-aware, right for hybrid models where
+        # num_gpu_blocks x block_size is not (their block_size is enlarged to match Mamba pages).
+        if sample.max_tokens:
+            return sample.max_tokens // size
+        if sample.num_gpu_blocks:
+            # The engine's blocks are of its own size, not necessarily the pool's.
+            return sample.num_gpu_blocks * (sample.block_size or size) // size
+        return None
+
     def on_engine_sample(self, ps: PoolState, backend: str, sample: EngineSample) -> None:
-        blocks = sample.num_gpu_blocks
-        if blocks is None and sample.max_tokens is not None:
-            blocks = sample.max_tokens // ps.spec.block_size
+        blocks = self.engine_blocks(ps, sample)
         if blocks and ps.spec.kv_blocks is None and ps.capacity.get(backend) != blocks:
             ps.capacity[backend] = blocks  # the engine's own number beats the ledger's
             self.metrics.kv_blocks_capacity.labels(ps.name, backend).set(blocks)
