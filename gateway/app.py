@@ -41,7 +41,7 @@ from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
-from gateway.protocol import error_body
+from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime, build_runtime, load_counters, make_session
 from gateway.state import StateBackend, create_state
 
@@ -291,13 +291,14 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
 
 
 _BUSY = error_body("The gateway is handling as many requests as it is configured to; "
-                   "retry shortly.", "service_unavailable", None, "server_busy")
+                   "retry shortly.", error_type(503), None, "server_busy")
+# A slot frees as soon as any request ends: a transient refusal, worth the SDK's retry.
+_BUSY_HEADERS = [(b"content-type", b"application/json"), *retry_headers(1.0),
+                 (b"content-length", str(len(_BUSY)).encode())]
 
 
 async def _busy(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                            (b"content-length", str(len(_BUSY)).encode())]})
+    await send({"type": "http.response.start", "status": 503, "headers": _BUSY_HEADERS})
     await send({"type": "http.response.body", "body": _BUSY, "more_body": False})
 
 
@@ -307,12 +308,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         slash = " (without the trailing slash)" if len(path) > 1 and path.endswith("/") else ""
         return error_response(404, f"Unknown path {path}. This gateway serves "
                               f"/v1/chat/completions, /v1/completions and /v1/models{slash}.",
-                              "invalid_request_error", "not_found")
+                              error_type(404), "not_found")
     if exc.status_code == 405:
         return error_response(405, f"Method {request.method} is not allowed on "
-                              f"{request.url.path}.", "invalid_request_error",
+                              f"{request.url.path}.", error_type(405),
                               "method_not_allowed")
-    return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None)
+    return error_response(exc.status_code, str(exc.detail), error_type(exc.status_code), None)
 
 
 def create_app(policy: Policy, metrics: GatewayMetrics | None = None,

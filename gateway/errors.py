@@ -3,25 +3,38 @@
 Routing, admission, quotas and the parsers raise these as domain facts: what was refused,
 which limit refused it (`reason`), how long waiting would take (`retry_after_s`). They know
 nothing of HTTP. The API boundary (gateway/api/errors.py) maps each class to its status code
-and renders OpenAI's error body `{"error": {"message", "type", "param", "code"}}`, so that the
-official SDKs raise the matching exception (`BadRequestError`, `RateLimitError`, ...):
+and renders OpenAI's error body `{"error": {"message", "type", "param", "code"}}`, with the
+`type` of OpenAI's vocabulary for that status, so that the official SDKs raise the matching
+exception (`BadRequestError`, `RateLimitError`, ...) and a caller matching on `type` meets
+one vocabulary whoever refused (the proxy maps the engines' errors to it too); `code` is a
+string or null (docs/errors.md lists every status, type and code):
 
-    GatewayError                           anything the gateway answers with an error
-      +-- Refusal                          the request is not taken; no engine has seen it
-      |     +-- InvalidRequest        400  bad JSON, schema, JSON shape, context length
-      |     +-- Unauthorized          401  no key, or an unknown one, where keys are required
-      |     +-- Forbidden             403  the tenant may not use this model
-      |     +-- ModelNotFound         404  no such model in the policy
-      |     +-- RequestTimeout        408  the body trickled in slower than allowed
-      |     +-- BodyTooLarge          413  over `server.max_body_bytes`
-      |     +-- UnsupportedMediaType  415  a body compressed (content-encoding other than identity)
-      |     +-- QuotaExceeded         429  the tenant's token bucket is empty (`window`)
-      |     +-- Overloaded            503  a pool is at capacity (`reason` names the limit)
-      |           +-- NoBackendAvailable   no healthy backend in the pool
-      |           +-- StateUnavailable     the shared state is down and the pool fails closed
-      +-- Failure                          something broke on the way
-            +-- UpstreamError         502  every backend refused the connection, or a 5xx
-            +-- InternalError         500  a bug: logged with its traceback, never shown
+    GatewayError                                anything the gateway answers with an error
+      +-- Refusal                               the request is not taken; no engine has seen it
+      |     +-- InvalidRequest        400 invalid_request_error  bad JSON, schema, JSON shape,
+      |     |                                   context length
+      |     +-- Unauthorized          401 authentication_error   no key, or an unknown one
+      |     +-- Forbidden             403 permission_error       the tenant may not use this model
+      |     +-- ModelNotFound         404 not_found_error        no such model in the policy
+      |     +-- RequestTimeout        408 invalid_request_error  the body trickled in too slowly
+      |     +-- BodyTooLarge          413 invalid_request_error  over `server.max_body_bytes`
+      |     +-- UnsupportedMediaType  415 invalid_request_error  a compressed body
+      |     +-- QuotaExceeded         429 rate_limit_error       the tenant's token bucket is
+      |     |                                   empty (`window`)
+      |     +-- Overloaded            503 server_error           a pool is at capacity (`reason`
+      |           |                             names the limit)
+      |           +-- NoBackendAvailable        no healthy backend in the pool
+      |           +-- StateUnavailable          the shared state is down and the pool fails closed
+      +-- Failure                               something broke on the way
+            +-- UpstreamError         502 server_error           every backend refused the
+            |                                   connection, or a 5xx
+            +-- InternalError         500 server_error           a bug: logged with its
+                                                traceback, never shown
+
+`retry_after_s` is set on every 429 and 503, in seconds (a float: a bucket's refill is known
+to the millisecond); the boundary sends it as Retry-After (whole seconds) and retry-after-ms,
+with x-should-retry saying whether an SDK's automatic retry can help (false past the wait an
+SDK will sleep).
 
 Errors of the cost stage (gateway/cost/errors.py) stay inside that package; the pipeline turns
 the caller's ones into `InvalidRequest`.

@@ -24,10 +24,45 @@ def error_body(message: str, type_: str, param: str | None = None,
                                    "code": code}})
 
 
-def sse_error_frame(message: str, type_: str = "upstream_error",
+# OpenAI's error `type` for each status (the SDKs pick their exception by the status alone;
+# callers that read the body match on these): one vocabulary for the gateway's own errors and
+# the engines' answers re-rendered at the proxy. docs/errors.md lists what is sent.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status: any other 4xx is the request's fault
+    (invalid_request_error), anything else the server's (server_error)."""
+    hit = _ERROR_TYPES.get(status)
+    if hit is not None:
+        return hit
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def sse_error_frame(message: str, type_: str = "server_error",
                     code: str | None = "upstream_error") -> bytes:
     """An error as an SSE event, for failures after a stream has started (vLLM does the same)."""
     return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+# The official SDKs honour a server's delay only up to a cap: openai-python now sleeps what
+# retry-after-ms (else retry-after) says up to 120 s and does not retry past it; openai-node
+# and earlier openai-python releases honour up to 60 s and past it fall back to their own
+# 0.5-8 s backoff, i.e. retry straight into the same refusal. The smaller cap is the line
+# past which a retry cannot help soon.
+SDK_RETRY_AFTER_CAP_S = 60.0
+
+
+def retry_headers(retry_after_s: float) -> list[tuple[bytes, bytes]]:
+    """Retry-After (whole seconds, at least 1, for every HTTP client), retry-after-ms (the
+    fraction the cause knows; the SDKs read it first) and x-should-retry (the SDKs obey it
+    over their own rules): false where the wait is past what an SDK would sleep, so that it
+    does not retry into the same refusal on its own backoff."""
+    ms = max(1, round(retry_after_s * 1000))
+    return [(b"retry-after", b"%d" % max(1, math.ceil(retry_after_s))),
+            (b"retry-after-ms", b"%d" % ms),
+            (b"x-should-retry", b"false" if retry_after_s > SDK_RETRY_AFTER_CAP_S else b"true")]
 
 
 def rate_limit_headers(window: RateWindow) -> list[tuple[bytes, bytes]]:

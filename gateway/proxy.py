@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from starlette.types import Send
 
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
-from gateway.protocol import sse_error_frame
+from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
 from gateway.routing import Router
 
 log = logging.getLogger("gateway.proxy")
@@ -171,6 +172,11 @@ class Forwarder:
             if resp.status == 200:
                 self.backends.record_success(backend)
                 _parse_usage(ex, body)
+            elif not 200 <= resp.status < 300:
+                # The engine's refusal in the gateway's shape: its status and message kept,
+                # OpenAI's `type` and a string `code` instead of vLLM's (BadRequestError, 400).
+                body = _engine_error(resp.status, body, backend.name)
+                _engine_error_headers(resp.status, ex.upstream_headers)
             ex.first_byte = ex.finished = self.loop.time()
             if up.on_first_byte is not None:
                 up.on_first_byte()
@@ -226,6 +232,8 @@ class Forwarder:
                         chunk = _without_usage_frame(chunk)
                         if not chunk:
                             continue
+                if b'{"error"' in chunk:  # an engine's error event: OpenAI's shape too
+                    chunk = _openai_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
@@ -263,6 +271,81 @@ def _without_usage_frame(chunk: bytes) -> bytes:
     frames = chunk.split(b"\n\n")
     kept = [f for f in frames if not (b'"usage":{' in f and b'"choices":[]' in f)]
     return b"\n\n".join(kept) if len(kept) != len(frames) else chunk
+
+
+def _engine_error(status: int, body: bytes, backend: str) -> bytes:
+    """An engine's non-2xx body as OpenAI's error body. vLLM and SGLang answer
+    `{"error": {"message", "type": "BadRequestError", "param", "code": 400}}` (older releases:
+    the same fields at the top level, with "object": "error"); their FastAPI routes answer
+    `{"detail": ...}`; anything else is text. The message and param are kept."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict):
+            return _openai_error(inner, status)
+        if isinstance(data.get("message"), str):
+            return _openai_error(data, status)
+        detail = inner if isinstance(inner, str) else data.get("detail")
+        if detail is not None:
+            text = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+            return error_body(text[:1000], error_type(status))
+    text = body[:1000].decode("utf-8", "replace").strip()
+    return error_body(text or f"The engine `{backend}` answered HTTP {status}.",
+                      error_type(status))
+
+
+def _openai_error(err: dict[str, object], status: int) -> bytes:
+    message = err.get("message")
+    param = err.get("param")
+    code = err.get("code")  # vLLM's is the HTTP status, an integer: not OpenAI's kind of code
+    return error_body(message if isinstance(message, str) else "The engine refused the request.",
+                      error_type(status), param if isinstance(param, str) else None,
+                      code if isinstance(code, str) else None)
+
+
+def _engine_error_headers(status: int, headers: dict[str, str]) -> None:
+    """The body is re-rendered JSON; an engine's 429/503 with a Retry-After in seconds gets
+    retry-after-ms and x-should-retry beside it, as the gateway's own refusals do."""
+    headers["content-type"] = "application/json"
+    if status not in (429, 503) or "retry-after" not in headers:
+        return
+    try:
+        seconds = float(headers["retry-after"])
+    except ValueError:
+        return  # an HTTP date: passed on as it is
+    if math.isfinite(seconds) and seconds >= 0:
+        headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
+
+
+def _openai_error_events(chunk: bytes) -> bytes:
+    """Error events in a stream (vLLM: `data: {"error": {..., "code": 400}}`) in OpenAI's
+    shape; every other event untouched. A mid-stream error's status is the engine's integer
+    code where it gives one. An event split across two reads passes as it came, as the usage
+    frame's stripping does: engines write an error event in one piece, and it is small."""
+    events = chunk.split(b"\n\n")
+    changed = False
+    for i, event in enumerate(events):
+        if b'{"error"' not in event:
+            continue
+        lines = event.split(b"\n")
+        for j, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                data = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            err = data.get("error") if isinstance(data, dict) else None
+            if isinstance(err, dict):
+                code = err.get("code")
+                status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+                lines[j] = b"data: " + _openai_error(err, status)
+                changed = True
+        events[i] = b"\n".join(lines)
+    return b"\n\n".join(events) if changed else chunk
 
 
 def _error_message(body: bytes) -> str:

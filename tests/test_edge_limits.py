@@ -86,7 +86,8 @@ def assert_openai_error(reply: bytes, status: int, code: str) -> dict[str, str]:
     got, headers, body = parse(reply)
     assert got == status, reply[:300]
     assert headers["content-type"] == "application/json"
-    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["type"] == ("not_found_error" if status == 404
+                                     else "invalid_request_error")
     assert body["error"]["code"] == code and body["error"]["message"]
     return headers
 

@@ -86,9 +86,9 @@ def test_unknown_model_404(gw: Server) -> None:
 
 
 def test_unknown_path_and_method(gw: Server) -> None:
-    reply = http("POST", gw.url + "/v1/embeddings", b"{}")
+    reply = http("POST", gw.url + "/v1/audio/speech", b"{}")  # a path the gateway has not
     assert reply.status == 404
-    assert_openai_error(reply.json(), "invalid_request_error", "not_found")
+    assert_openai_error(reply.json(), "not_found_error", "not_found")
     reply = http("GET", gw.url + "/v1/chat/completions")
     assert reply.status == 405
     assert_openai_error(reply.json(), "invalid_request_error", "method_not_allowed")
@@ -145,9 +145,11 @@ def test_context_length_exceeded_before_any_backend(
     assert metric(scrape(sim.url), "vllm:prompt_tokens_total") == 0  # never reached it
 
 
-def test_upstream_4xx_passes_through_unchanged(start_sim: StartSim,
-                                               start_gateway: StartGateway) -> None:
-    # The policy says 8192 but the engine was started with 4096: the engine's own 400.
+def test_upstream_4xx_keeps_status_and_message_in_openai_shape(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # The policy says 8192 but the engine was started with 4096: the engine's own 400, in
+    # vLLM's shape (type "BadRequestError", an integer code) from the engine, in OpenAI's
+    # from the gateway: its status, message and param kept.
     with start_sim("--max-model-len", "4096") as sim, \
             start_gateway(policy_yaml([sim.url])) as gw:
         body = json.dumps({"model": "test-model", "messages": MESSAGES,
@@ -155,7 +157,11 @@ def test_upstream_4xx_passes_through_unchanged(start_sim: StartSim,
         direct = http("POST", sim.url + "/v1/chat/completions", body)
         via = http("POST", gw.url + "/v1/chat/completions", body)
         assert direct.status == via.status == 400
-        assert direct.json() == via.json()
+        engine = direct.json()["error"]
+        assert (engine["type"], engine["code"]) == ("BadRequestError", 400)
+        err = assert_openai_error(via.json(), "invalid_request_error")
+        assert (err["message"], err["param"], err["code"]) == (engine["message"],
+                                                              engine["param"], None)
         assert via.headers["x-gateway-backend"] == "e0"
         assert metric(quiet(gw.url), "gateway_kv_blocks_reserved") == 0
 

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.auth import bearer
-from gateway.protocol import error_body
+from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime
 from gateway.serving.workers import PARENT_ENV
 
@@ -65,13 +65,14 @@ def _refuse(request: Request) -> Response | None:
 def refuse_non_admin(request: Request, rt: Runtime | None) -> Response | None:
     """The answer for a caller without an admin key; None for an admin."""
     env_key = os.environ.get(ADMIN_KEY_ENV)
-    if rt is None:
-        return Response(error_body("Not ready.", "service_unavailable"), 503,
+    if rt is None:  # still starting: a moment's wait
+        return Response(error_body("Not ready.", error_type(503), None, "not_ready"), 503,
+                        {k.decode(): v.decode() for k, v in retry_headers(1.0)},
                         media_type="application/json")
     if not rt.policy.auth.admin_keys and not env_key:
         return Response(error_body(
             "The admin API is disabled: no admin key is configured (auth.admin_keys in the "
-            f"policy, or {ADMIN_KEY_ENV}).", "invalid_request_error", None, "admin_disabled"),
+            f"policy, or {ADMIN_KEY_ENV}).", error_type(403), None, "admin_disabled"),
             403, media_type="application/json")
     auth = request.headers.get("authorization", "").encode("latin-1")
     ok = rt.tenants.is_admin(auth)
@@ -80,7 +81,7 @@ def refuse_non_admin(request: Request, rt: Runtime | None) -> Response | None:
         ok |= hmac.compare_digest(token.encode(), env_key.encode())
     if not ok:
         return Response(error_body("An admin key is required for the admin API.",
-                                   "invalid_request_error", None, "invalid_admin_key"),
+                                   error_type(401), None, "invalid_admin_key"),
                         401, media_type="application/json")
     return None
 
@@ -163,5 +164,5 @@ async def reload(request: Request) -> Response:
     if result.ok:
         return _json({"status": "reloaded", "policy": gw.policy_path})
     return Response(error_body("The policy was not reloaded; the old one stays in force:\n"
-                               + "\n".join(result.problems), "invalid_request_error", None,
+                               + "\n".join(result.problems), error_type(400), None,
                                "invalid_policy"), 400, media_type="application/json")

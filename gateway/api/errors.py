@@ -1,13 +1,14 @@
 """The boundary where the gateway's errors (gateway/errors.py) become HTTP answers.
 
-One table says which status and OpenAI error `type` each class of the tree answers with; one
-function renders the headers a client acts on (Retry-After, x-gateway-reason, x-ratelimit-*,
-x-gateway-backend) from the facts the error carries.
+One table says which status each class of the tree answers with, and so its OpenAI error
+`type` (gateway/protocol.py `error_type`: the same vocabulary the proxy gives the engines'
+errors); one function renders the headers a client acts on (Retry-After, retry-after-ms,
+x-should-retry, x-gateway-reason, x-ratelimit-*, x-gateway-backend) from the facts the error
+carries. docs/errors.md lists every status, type and code.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from gateway.errors import (
@@ -24,32 +25,32 @@ from gateway.errors import (
     UnsupportedMediaType,
     UpstreamError,
 )
-from gateway.protocol import error_body, rate_limit_headers
+from gateway.protocol import error_body, error_type, rate_limit_headers, retry_headers
 
 # Most specific first is not needed: the class's own entry, else its nearest ancestor's.
-_STATUS: dict[type[GatewayError], tuple[int, str]] = {
-    InvalidRequest: (400, "invalid_request_error"),
-    Unauthorized: (401, "invalid_request_error"),
-    Forbidden: (403, "invalid_request_error"),
-    ModelNotFound: (404, "invalid_request_error"),
-    RequestTimeout: (408, "invalid_request_error"),
-    BodyTooLarge: (413, "invalid_request_error"),
-    UnsupportedMediaType: (415, "invalid_request_error"),
-    QuotaExceeded: (429, "tokens"),
-    Overloaded: (503, "service_unavailable"),
-    UpstreamError: (502, "upstream_error"),
-    Failure: (500, "server_error"),
-    GatewayError: (500, "server_error"),
+_STATUS: dict[type[GatewayError], int] = {
+    InvalidRequest: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    ModelNotFound: 404,
+    RequestTimeout: 408,
+    BodyTooLarge: 413,
+    UnsupportedMediaType: 415,
+    QuotaExceeded: 429,
+    Overloaded: 503,
+    UpstreamError: 502,
+    Failure: 500,
+    GatewayError: 500,
 }
 
 
 def status_of(err: GatewayError) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of an error of the tree."""
     for cls in type(err).__mro__:
-        hit = _STATUS.get(cls)
-        if hit is not None:
-            return hit
-    return 500, "server_error"
+        status = _STATUS.get(cls)
+        if status is not None:
+            return status, error_type(status)
+    return 500, error_type(500)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +70,8 @@ def http_error(err: GatewayError) -> HttpError:
 
 def headers_of(err: GatewayError) -> list[tuple[bytes, bytes]]:
     out: list[tuple[bytes, bytes]] = []
-    if err.retry_after_s is not None:
-        out.append((b"retry-after", b"%d" % max(1, math.ceil(err.retry_after_s))))
+    if err.retry_after_s is not None:  # every 429 and 503 of the tree
+        out.extend(retry_headers(err.retry_after_s))
     if err.reason is not None:
         out.append((b"x-gateway-reason", err.reason.encode()))
     if isinstance(err, QuotaExceeded):

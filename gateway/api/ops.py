@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from gateway.api.admin import refuse_non_admin
 from gateway.observe.metrics import exposition_registry
-from gateway.protocol import error_body
+from gateway.protocol import error_body, error_type
 from gateway.runtime import runtime_of
 
 
@@ -46,7 +46,7 @@ async def metrics(request: Request) -> Response:
     if access == "admin_port" and not getattr(request.app.state, "admin_port", False):
         return Response(error_body(
             f"Unknown path {request.url.path}: metrics are served on the admin port "
-            "(auth.metrics: admin_port).", "invalid_request_error", None, "not_found"),
+            "(auth.metrics: admin_port).", error_type(404), None, "not_found"),
             404, media_type="application/json")
     if access == "admin_key" and (refused := refuse_non_admin(request, rt)) is not None:
         return refused
