@@ -252,8 +252,10 @@ class GatewayApp:
         out: dict[str, TokenCounter] = {}
         for m in policy.models:
             spec, counter = self._counters.get(m.name, (None, None))
-            if counter is None or spec != m.tokenizer:
-                counter = TokenCounter(load_tokenizer(m.tokenizer),
+            # A new chat template is a new count too.
+            if counter is None or spec != m.tokenizer \
+                    or getattr(counter.tokenizer, "chat_template_spec", None) != m.chat_template:
+                counter = TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template),
                                        policy.server.max_prompt_chars)
                 self._counters[m.name] = (m.tokenizer, counter)
             counter.max_prompt_chars = policy.server.max_prompt_chars

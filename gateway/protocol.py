@@ -236,19 +236,43 @@ def _seconds(raw: bytes | None) -> float | None:
 
 
 def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The caller's `chat_template_kwargs`, refused where they would set what we set."""
+    """The chat template's arguments as vLLM builds them from this body: the caller's
+    `chat_template_kwargs` (refused where they would set what we set) under the request's
+    own `add_generation_prompt`, `continue_final_message`, `documents` and `reasoning_effort`
+    (gateway.cost.templates.request_template_kwargs says how vLLM merges them)."""
+    from gateway.cost.templates import request_template_kwargs
+
     kwargs = data.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest("'chat_template_kwargs' must be an object.",
-                             param="chat_template_kwargs", code="invalid_value")
-    clash = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if clash:
-        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(clash)}: the "
-                             "request's own fields set them.", param="chat_template_kwargs",
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("'chat_template_kwargs' must be an object.",
+                                 param="chat_template_kwargs", code="invalid_value")
+        clash = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if clash:
+            raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(clash)}: the "
+                                 "request's own fields set them.", param="chat_template_kwargs",
+                                 code="invalid_value")
+    # vLLM's request model types these fields; a wrong type is its 400, and ours before a 500.
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in data and not isinstance(data[name], bool):
+            raise InvalidRequest(f"'{name}' must be a boolean.", param=name,
+                                 code="invalid_value")
+    effort = data.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidRequest("'reasoning_effort' must be a string.", param="reasoning_effort",
                              code="invalid_value")
-    return kwargs
+    documents = data.get("documents")
+    if documents is not None and not (isinstance(documents, list)
+                                      and all(isinstance(d, dict) for d in documents)):
+        raise InvalidRequest("'documents' must be a list of objects.", param="documents",
+                             code="invalid_value")
+    merged = request_template_kwargs(data)
+    if merged.get("continue_final_message") and merged.get("add_generation_prompt"):
+        # vLLM's validator (and transformers, for a default add_generation_prompt).
+        raise InvalidRequest("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.",
+                             param="continue_final_message", code="invalid_value")
+    return merged
 
 
 def endpoint_of(body: bytes) -> Endpoint:

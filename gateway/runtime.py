@@ -67,7 +67,8 @@ def make_session(policy: Policy) -> aiohttp.ClientSession:
 
 def load_counters(policy: Policy) -> dict[str, TokenCounter]:
     """One counter per model; a tokenizer that cannot load stops start-up, naming the model."""
-    return {m.name: TokenCounter(load_tokenizer(m.tokenizer), policy.server.max_prompt_chars)
+    return {m.name: TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template),
+                                 policy.server.max_prompt_chars)
             for m in policy.models}
 
 

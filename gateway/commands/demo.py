@@ -107,6 +107,9 @@ def _start_engines(policy: Policy, time_scale: float) -> list[subprocess.Popen[b
                    "--port", str(port), "--served-model-name", model.upstream_name,
                    "--max-model-len", str(pool.max_model_len),
                    "--tokenizer", model.tokenizer, "--time-scale", str(time_scale)]
+            if model.chat_template is not None:
+                # The engine renders with the template the gateway counts with, so they agree.
+                cmd += ["--chat-template", model.chat_template]
             print(f"gateway demo: engine {pool_name}/{b.name} on 127.0.0.1:{port} "
                   f"(simulated {arch} on {pool.tp} x {pool.gpu})", file=sys.stderr)
             # Own process group: Ctrl-C in the terminal reaches us, and we stop them in order;

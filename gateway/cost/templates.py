@@ -11,7 +11,12 @@ aliased, and the tokenizer's special tokens are visible to the template.
 
 `openai_messages` is the extra step vLLM applies to an OpenAI request before templating (content
 parts joined, tool-call arguments parsed as JSON): call it on a request body's messages so the
-count is the engine's.
+count is the engine's. `request_template_kwargs` is the other half: the request fields vLLM
+hands the template beside `chat_template_kwargs` (`add_generation_prompt`,
+`continue_final_message`, `documents`, `reasoning_effort`).
+
+`load_chat_template` reads a template a policy names apart from its tokenizer: one of the
+models' own templates shipped in `chat_templates/` (provenance in its README), or a file.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -32,6 +39,19 @@ from gateway.cost.errors import TemplateError
 
 # The names a message's reasoning arrives under; transformers copies it under the first two.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# The models' own templates shipped in gateway/cost/chat_templates/ (README: where each text
+# comes from). Llama 3.3 70B Instruct carries Llama 3.1's template unchanged.
+BUILTIN_TEMPLATES = {
+    "qwen2.5": "qwen2.5.jinja",
+    "llama-3": "llama-3.jinja",
+    "llama-3.1": "llama-3.1.jinja",
+    "llama-3.3": "llama-3.1.jinja",
+}
+
+# transformers' marker for continue_final_message: appended to the final message, found in the
+# rendered text, and everything from it on cut, so the template's end-of-turn is not counted.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -216,18 +236,30 @@ def render(
     tools: Sequence[Mapping[str, Any]] | None,
     special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True,
+    continue_final_message: bool | str = False,
     **template_kwargs: Any,
 ) -> str:
-    """Render one conversation to the text the engine will encode."""
+    """Render one conversation to the text the engine will encode.
+
+    `continue_final_message` (True, or the name of the field to continue) leaves the last
+    message open, as `apply_chat_template` does: the template's end-of-turn after it is cut.
+    """
     if not messages:
         raise TemplateError("messages: must not be empty")
+    if continue_final_message and add_generation_prompt:
+        # transformers refuses the pair (vLLM answers it 400); both would count a new turn.
+        raise TemplateError("continue_final_message and add_generation_prompt are not "
+                            "compatible: set add_generation_prompt to false")
     # Caller kwargs override special tokens and `documents`, as in transformers (and vLLM,
     # which updates its own template arguments with the caller's).
     variables: dict[str, Any] = {**special_tokens, "documents": None,
                                  **_plain(template_kwargs)}
+    prepared = prepare_messages(messages)
+    final = _tag_final_message(prepared, continue_final_message) \
+        if continue_final_message else None
     try:
-        return template.render(
-            messages=prepare_messages(messages),
+        text = template.render(
+            messages=prepared,
             tools=_plain(list(tools)) if tools is not None else None,
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -237,6 +269,112 @@ def render(
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         # A template that indexes a missing field fails with a Python error; the request is bad.
         raise TemplateError(f"chat template failed on these messages: {exc}") from None
+    return text if final is None else _cut_at_tag(text, final)
+
+
+def continued_field(continue_final_message: bool | str) -> str:
+    """The message field `continue_final_message` continues ("content" for True)."""
+    return continue_final_message if isinstance(continue_final_message, str) else "content"
+
+
+def _tag_final_message(messages: list[dict[str, Any]], continue_final_message: bool | str
+                       ) -> str:
+    """Mark the end of the final message as transformers does; return its text before the tag."""
+    field = continued_field(continue_final_message)
+    last = messages[-1]
+    final = last.get(field)
+    if final is None:
+        raise TemplateError(f"continue_final_message: the final message has no {field!r} "
+                            "to continue")
+    fields = [field]
+    if field in _REASONING_FIELDS:  # reasoning is copied under several names: tag every copy
+        fields = [f for f in _REASONING_FIELDS if last.get(f) == final]
+    if isinstance(final, list):
+        for block in reversed(final):
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                text = str(block["text"])
+                block["text"] = text + _CONTINUE_TAG
+                return text
+        raise TemplateError("continue_final_message: the final message has no text to "
+                            "continue")
+    if not isinstance(final, str):
+        raise TemplateError(f"continue_final_message: the final message's {field!r} must be "
+                            "text")
+    for f in fields:
+        last[f] = final + _CONTINUE_TAG
+    return final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise TemplateError("continue_final_message: the chat template drops part of the final "
+                            "message, so it cannot be continued")
+    at = text.rindex(tag)
+    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the message's trailing spacing
+
+
+def load_chat_template(spec: str) -> str:
+    """The template text a policy names: a built-in name, or a file.
+
+    A file is a Jinja template, or a JSON file holding a string `chat_template` (a
+    `tokenizer_config.json` or `chat_template.json`). Raises TemplateError naming what it tried.
+    """
+    name = spec.strip()
+    builtin = BUILTIN_TEMPLATES.get(name)
+    if builtin is not None:
+        return resources.files("gateway.cost").joinpath("chat_templates", builtin) \
+            .read_text(encoding="utf-8")
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise TemplateError(f"chat template {spec!r}: not a built-in name "
+                            f"({', '.join(sorted(BUILTIN_TEMPLATES))}) and not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TemplateError(f"chat template {spec!r}: cannot read: {exc}") from None
+    if path.suffix == ".json":
+        try:
+            found = json.loads(text).get("chat_template")
+        except (json.JSONDecodeError, AttributeError):
+            found = None
+        if not isinstance(found, str):
+            raise TemplateError(f"chat template {spec!r}: a JSON file needs a string "
+                                "'chat_template'")
+        return found
+    return text
+
+
+# vLLM's chat request fields that reach the template beside `chat_template_kwargs`
+# (vllm/entrypoints/openai/chat_completion/protocol.py, ChatCompletionRequest.
+# build_chat_params), with vLLM's defaults.
+REQUEST_TEMPLATE_FIELDS: Mapping[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "documents": None,
+    "reasoning_effort": None,
+}
+
+
+def request_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The template arguments vLLM builds from a chat request body (fields already validated).
+
+    vLLM merges its fields over the caller's `chat_template_kwargs` (vllm/renderers/params.py
+    `merge_kwargs`): a field wins unless it is unset (None or "auto"), so a kwarg
+    `add_generation_prompt` never beats the field's default. A `reasoning_effort` also sets
+    `enable_thinking` (false for "none") unless the caller's kwargs set it.
+    """
+    user = body.get("chat_template_kwargs")
+    kwargs: dict[str, Any] = dict(user) if isinstance(user, Mapping) else {}
+    fields = {name: body.get(name, default) for name, default in REQUEST_TEMPLATE_FIELDS.items()}
+    effort = fields["reasoning_effort"]
+    if effort is not None and "enable_thinking" not in kwargs:
+        fields["enable_thinking"] = effort != "none"
+    kwargs.update({k: v for k, v in fields.items() if v is not None and not
+                   (isinstance(v, str) and v == "auto")})
+    return kwargs
 
 
 def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

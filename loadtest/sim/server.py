@@ -122,7 +122,8 @@ class SimApp:
     # -- lifecycle ----------------------------------------------------------------------------
     async def startup(self) -> None:
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
+            self.tokenizer = await asyncio.to_thread(
+                load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template)
         self.counter = TokenCounter(self.tokenizer)
         self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine-loop")
         log.info("simulated engine: %s", self.spec.describe())
