@@ -35,7 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.api import admin, ops
+from gateway.api import admin, ops, passthrough
 from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
@@ -83,6 +83,8 @@ class GatewayApp:
         self.fast: dict[str, CompletionsEndpoint] = {
             "/v1/chat/completions": CompletionsEndpoint("chat", get),
             "/v1/completions": CompletionsEndpoint("completions", get),
+            "/v1/responses": CompletionsEndpoint("responses", get),
+            "/v1/embeddings": CompletionsEndpoint("embeddings", get),
         }
         routes = [
             # Reached only for other methods (the fast path takes POST): answers 405.
@@ -92,6 +94,7 @@ class GatewayApp:
             Route("/readyz", ops.readyz, methods=["GET"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/gateway/estimate", EstimateEndpoint(get), methods=["POST"]),
+            *passthrough.routes(),
         ]
         if admin_routes:
             routes.extend(admin.routes())
@@ -309,7 +312,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         path = request.url.path
         slash = " (without the trailing slash)" if len(path) > 1 and path.endswith("/") else ""
         return error_response(404, f"Unknown path {path}. This gateway serves "
-                              f"/v1/chat/completions, /v1/completions and /v1/models{slash}.",
+                              "/v1/chat/completions, /v1/completions, /v1/responses, "
+                              f"/v1/embeddings, /v1/models, /tokenize and /detokenize{slash}.",
                               error_type(404), "not_found")
     if exc.status_code == 405:
         return error_response(405, f"Method {request.method} is not allowed on "

@@ -25,6 +25,10 @@ from gateway.policy import BackendSpec, Policy, PoolSpec
 log = logging.getLogger("gateway.backends")
 
 Clock = Callable[[], float]
+# Where an OpenAI-compatible engine (vLLM, SGLang) serves each endpoint the gateway forwards.
+ENGINE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                "responses": "/v1/responses", "embeddings": "/v1/embeddings",
+                "tokenize": "/tokenize", "detokenize": "/detokenize"}
 
 
 @dataclass(eq=False)
@@ -32,8 +36,7 @@ class Backend:
     pool: str
     name: str
     url: str
-    chat_url: str
-    completions_url: str
+    urls: dict[str, str]  # endpoint -> the engine's URL for it, built once
     probe_url: str
     auth_header: str | None
     outstanding: int = 0
@@ -88,8 +91,7 @@ class Backends:
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else default_key
         return Backend(
             pool=pool_name, name=spec.name, url=spec.url,
-            chat_url=spec.url + "/v1/chat/completions",
-            completions_url=spec.url + "/v1/completions",
+            urls={endpoint: spec.url + path for endpoint, path in ENGINE_PATHS.items()},
             probe_url=spec.url + pool.probe_path,
             auth_header=f"Bearer {key}" if key else None,
         )

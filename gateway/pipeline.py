@@ -32,22 +32,23 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.admission.pool import Ask, Ticket
-from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate, openai_messages
+from gateway.affinity import Held
+from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, tokens_used, usage_of
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
 from gateway.profiles import ModelProfile, get_model
+from gateway.prompts import Prompt, count_prompt
 from gateway.protocol import (
-    ChatCompletionRequest,
     Endpoint,
     ParsedRequest,
+    ResponsesRequest,
     client_deadline,
     endpoint_of,
     parse_request,
     rate_limit_headers,
-    template_kwargs,
 )
 from gateway.proxy import ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
@@ -104,14 +105,6 @@ class Caller:
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
-    tokens: int  # of the longest prompt
-    prompts: int
-    exact: bool
-    chars: int
-
-
-@dataclass(frozen=True, slots=True)
 class Work:
     """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
 
@@ -147,6 +140,7 @@ class Prepared:
     prompt: Prompt
     route: Route
     work: Work
+    held: Held | None = None  # the stored response it continues, and where it lives
 
     def ask(self) -> Ask:
         t = self.caller.tenant
@@ -154,7 +148,8 @@ class Prepared:
                    priority=self.caller.priority, caller=t.name,
                    deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
                    tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
-                   prompt_tokens=self.prompt.tokens)
+                   prompt_tokens=self.prompt.tokens,
+                   backend=self.held.backend if self.held else None)
 
 
 # --- the pipeline -------------------------------------------------------------------------------
@@ -191,24 +186,15 @@ class Pipeline:
     # count ------------------------------------------------------------------------------------
 
     async def count(self, model: ModelSpec, data: dict[str, Any], parsed: ParsedRequest,
-                    caller: Caller) -> Prompt:
-        counter = self.rt.counters[model.name]
-        who = caller.tenant.name  # long prompts take turns by tenant
+                    caller: Caller, prior_tokens: int = 0) -> Prompt:
         try:
-            if isinstance(parsed, ChatCompletionRequest):
-                # vLLM's normalisation first (null content, text parts, tool-call arguments),
-                # so the count is the engine's count.
-                tc = await counter.measure_chat(openai_messages(data["messages"]),
-                                                data.get("tools"), template_kwargs(data),
-                                                caller=who)
-                return Prompt(tc.tokens, 1, tc.exact, tc.chars)
-            counts = await counter.measure_prompt(data["prompt"], caller=who)
+            # Long prompts take turns by tenant (gateway/cost/counter.py).
+            return await count_prompt(self.rt.counters[model.name], model, data, parsed,
+                                      caller.tenant.name, prior_tokens)
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param,
                                  code="prompt_too_long" if isinstance(exc, PromptTooLong)
                                  else "invalid_value") from None
-        return Prompt(max(c.tokens for c in counts), len(counts), all(c.exact for c in counts),
-                      sum(c.chars for c in counts))
 
     # route ------------------------------------------------------------------------------------
 
@@ -244,10 +230,18 @@ class Pipeline:
         endpoint, data, parsed = self.parse(body, inbound.endpoint)
         model = self.rt.router.model(parsed.model)
         self.rt.tenants.check_model(caller.tenant, model.name)
-        prompt = await self.count(model, data, parsed, caller)
+        held = await self._held(parsed)
+        prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0)
         route = self.route(model, prompt, parsed)
+        if held is not None and held.pool != route.pool and held.pool in self.rt.policy.pools:
+            route = Route(model, held.pool)  # the conversation lives there
         work = self.estimate(model, route, prompt, parsed)
-        return Prepared(caller, endpoint, model, data, parsed, prompt, route, work)
+        return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held)
+
+    async def _held(self, parsed: ParsedRequest) -> Held | None:
+        if isinstance(parsed, ResponsesRequest) and parsed.previous_response_id:
+            return await self.rt.affinity.recall(parsed.previous_response_id)
+        return None
 
     # preview: /gateway/estimate ---------------------------------------------------------------
 
@@ -330,7 +324,8 @@ class Pipeline:
         """The body the engine gets: the pool's model name, and a usage frame asked for."""
         data, parsed = p.data, p.parsed
         strip_usage = False
-        if parsed.stream and not (parsed.stream_options and parsed.stream_options.include_usage):
+        if p.endpoint in ("chat", "completions") and parsed.stream and not (
+                parsed.stream_options and parsed.stream_options.include_usage):
             # Ask the engine for its usage frame so tokens are counted as the engine counts
             # them; the caller, who did not ask, never sees it.
             data["stream_options"] = {**(data.get("stream_options") or {}),
@@ -353,6 +348,12 @@ class Pipeline:
             await rt.forwarder.forward(up, relay, send, ticket.backend)
         finally:
             inflight.dec()
+            if relay.response_id is not None and relay.backend is not None \
+                    and p.data.get("store") is not False:
+                # Where it is stored, and what its conversation now costs the next turn.
+                tokens = (relay.prompt_tokens or p.prompt.tokens) + (relay.completion_tokens or 0)
+                await rt.affinity.remember(relay.response_id,
+                                           Held(up.pool, relay.backend.name, tokens))
             self._learn(p, relay)
             used = usage_of(p.endpoint, up.stream, p.prompt.tokens, relay)
             if used is not None:

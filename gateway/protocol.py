@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -118,12 +118,48 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
-Endpoint = Literal["chat", "completions"]
+class EmbeddingsRequest(_Passthrough):
+    model: StrictStr
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+    # Not fields of this API: constants, so the pipeline reads every request alike.
+    stream: ClassVar[bool] = False
+    stream_options: ClassVar[None] = None
+    n: ClassVar[None] = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return 0  # an embedding is a prefill: nothing is decoded
+
+
+class ResponsesRequest(_Passthrough):
+    """The Responses API's create body, as far as the gateway reads it."""
+
+    model: StrictStr
+    input: StrictStr | Annotated[list[Any], Field(min_length=1)]
+    instructions: StrictStr | None = None
+    max_output_tokens: NonNegativeTokens | None = None
+    stream: StrictBool | None = False
+    tools: list[Any] | None = None
+    previous_response_id: StrictStr | None = None
+
+    stream_options: ClassVar[None] = None  # its stream always ends with the usage
+    n: ClassVar[None] = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_output_tokens
+
+
+Endpoint = Literal["chat", "completions", "responses", "embeddings"]
+_MODELS: dict[str, type[BaseModel]] = {}  # filled below, once the classes exist
 # Arguments of the chat-template render that the gateway passes itself: a caller's
 # `chat_template_kwargs` setting one would clash with it (a TypeError, before: a 500).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
                                        "special_tokens"})
-ParsedRequest = ChatCompletionRequest | CompletionRequest
+ParsedRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+_MODELS.update(chat=ChatCompletionRequest, completions=CompletionRequest,
+               responses=ResponsesRequest, embeddings=EmbeddingsRequest)
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
@@ -140,9 +176,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     check_shape(data, max_depth, max_items)
-    model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
     try:
-        parsed = model_cls.model_validate(data)
+        parsed: ParsedRequest = _MODELS[endpoint].model_validate(data)  # type: ignore[assignment]
     except ValidationError as exc:
         raise _schema_error(exc) from None
     return data, parsed
@@ -283,3 +318,43 @@ def endpoint_of(body: bytes) -> Endpoint:
         return "chat"  # parse_request answers it with the standard 400
     return "completions" if isinstance(probe, dict) and "prompt" in probe \
         and "messages" not in probe else "chat"
+
+
+def responses_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], bool]:
+    """A Responses API input as the chat messages vLLM renders with the chat template
+    (vllm/entrypoints/openai/serving_responses.py, `_construct_input_messages`): the
+    instructions first as a system message, a string input as one user message, input items
+    as messages. Function calls become assistant tool calls and their outputs tool messages,
+    as vLLM's newer releases convert them; `exact` is False once such an item is met, since
+    releases differ there."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages, True
+    exact = True
+    for item in req.input:
+        if not isinstance(item, dict):
+            raise InvalidRequest("'input' items must be objects.", param="input",
+                                 code="invalid_value")
+        kind = item.get("type", "message")
+        if kind == "message" or (kind is None and "role" in item):
+            content = item.get("content")
+            if isinstance(content, list):  # output_text is text the template renders alike
+                content = [{**p, "type": "text"} if isinstance(p, dict) and p.get("type") in
+                           ("input_text", "output_text") else p for p in content]
+            messages.append({"role": item.get("role", "user"), "content": content})
+        elif kind == "function_call":
+            exact = False
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": item.get("call_id", ""), "type": "function",
+                "function": {"name": item.get("name", ""),
+                             "arguments": item.get("arguments", "{}")}}]})
+        elif kind == "function_call_output":
+            exact = False
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+                             "content": str(item.get("output", ""))})
+        else:
+            exact = False  # reasoning and tool items: the engine decides what they render to
+    return messages, exact

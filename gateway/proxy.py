@@ -30,8 +30,14 @@ from gateway.routing import Router
 
 log = logging.getLogger("gateway.proxy")
 
-_USAGE_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat, completions and embeddings name them prompt/completion; the Responses API input/output.
+_USAGE_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_USAGE_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
+# A Responses stream opens with events sent before any token (response.created, ...): its
+# first token, and each token after, is a delta event (text, reasoning or tool arguments).
+_FIRST_TOKEN: dict[str, bytes] = {"responses": b'.delta"'}
+_EVENTS: dict[str, bytes] = {"responses": b'.delta"'}
 _USAGE_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 # Engine response headers worth passing on; everything else (hop-by-hop, server, date,
@@ -76,6 +82,7 @@ class Relay:
     sse_events: int = 0
     attempts: int = 0
     response_started: bool = False
+    response_id: str | None = None  # a Responses API answer's id, to find its backend later
     error: str = ""
     upstream_headers: dict[str, str] = field(default_factory=dict)
 
@@ -131,10 +138,33 @@ class Forwarder:
             f"({ex.attempts} tried; last: {last_error}).", backend=ex.backend.name
             if ex.backend is not None else None)
 
+    async def passthrough(self, backend: Backend, method: str, endpoint_url: str,
+                          body: bytes | None, request_id: str) -> tuple[int, bytes, str]:
+        """One call to `backend` answered whole: (status, body, content type). For what
+        carries no generation (tokenize, detokenize, a stored response): nothing to admit,
+        meter or stream."""
+        headers = {"x-request-id": request_id, "accept-encoding": "identity"}
+        if body is not None:
+            headers["content-type"] = "application/json"
+        if backend.auth_header:
+            headers["authorization"] = backend.auth_header
+        try:
+            async with self.session.request(method, endpoint_url, data=body, headers=headers,
+                                            timeout=self.timeout) as resp:
+                answer = await resp.read()
+                if resp.status >= 400:  # one error shape, whoever refused
+                    return resp.status, _engine_error(resp.status, answer, backend.name), \
+                        "application/json"
+                return resp.status, answer, resp.headers.get("content-type", "application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("engine %s/%s: %s", backend.pool, backend.name, _describe(exc))
+            raise UpstreamError(f"The engine `{backend.name}` could not answer "
+                                f"({_public(exc)}).", backend=backend.name) from None
+
     async def _open(self, up: Upstream, backend: Backend
                     ) -> tuple[aiohttp.ClientResponse | None, str]:
         """The engine's response, or None and what went wrong in words fit for the caller."""
-        url = backend.chat_url if up.endpoint == "chat" else backend.completions_url
+        url = backend.urls[up.endpoint]
         headers = {"content-type": "application/json", "x-request-id": up.request_id,
                    "accept-encoding": "identity"}
         if backend.auth_header:
@@ -172,6 +202,8 @@ class Forwarder:
             if resp.status == 200:
                 self.backends.record_success(backend)
                 _parse_usage(ex, body)
+                if up.endpoint == "responses":
+                    _parse_response_id(ex, body)
             elif not 200 <= resp.status < 300:
                 # The engine's refusal in the gateway's shape: its status and message kept,
                 # OpenAI's `type` and a string `code` instead of vLLM's (BadRequestError, 400).
@@ -214,18 +246,23 @@ class Forwarder:
         content = resp.content
         loop_time = self.loop.time
         strip_usage = up.strip_usage
+        first_token = _FIRST_TOKEN.get(up.endpoint)
+        event = _EVENTS.get(up.endpoint, b"data:")
+        want_id = up.endpoint == "responses"
         usage_frame = b""
         try:
             while True:
                 chunk = await content.readany()
                 if not chunk:
                     break
-                if ex.first_byte is None:
+                if ex.first_byte is None and (first_token is None or first_token in chunk):
                     ex.first_byte = loop_time()
                     if up.on_first_byte is not None:
                         up.on_first_byte()
+                if want_id and ex.response_id is None:
+                    _parse_response_id(ex, chunk)
                 # Kept on the exchange as it goes: the latency guard reads streams in flight.
-                ex.sse_events += chunk.count(b"data:")
+                ex.sse_events += chunk.count(event)
                 if b'"usage":{' in chunk:
                     usage_frame = chunk
                     if strip_usage:
@@ -252,6 +289,12 @@ class Forwarder:
             ex.finished = loop_time()
             if usage_frame:
                 _parse_usage(ex, usage_frame)
+
+
+def _parse_response_id(ex: Relay, body: bytes) -> None:
+    m = _RESPONSE_ID.search(body)
+    if m:
+        ex.response_id = m.group(1).decode()
 
 
 def _parse_usage(ex: Relay, body: bytes) -> None:

@@ -13,6 +13,7 @@ import aiohttp
 from starlette.requests import Request
 
 from gateway.admission.controller import Admission
+from gateway.affinity import Affinity
 from gateway.auth import Tenants
 from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
@@ -43,6 +44,7 @@ class Runtime:
     quotas: Quotas
     accountant: Accountant
     started_at: float
+    affinity: Affinity
 
 
 def runtime_of(request: Request) -> Runtime | None:
@@ -88,7 +90,8 @@ def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.Clie
                for m in policy.models}
     return Runtime(policy, metrics, backends, router, forwarder, session, state, scraper,
                    admission, counters, outputs, Tenants(policy),
-                   Quotas(policy, state, metrics), Accountant(policy, metrics), started_at)
+                   Quotas(policy, state, metrics), Accountant(policy, metrics), started_at,
+                   Affinity(state, policy.upstream.responses_ttl_s, metrics))
 
 
 def _upstream_key(policy: Policy) -> str | None:

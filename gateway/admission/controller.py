@@ -110,7 +110,8 @@ class Admission:
         now = self.clock()
         cap = self.capacity
         backends = tuple(
-            BackendView(name=b.name, available=b.available(now),
+            BackendView(name=b.name, available=b.available(now) and (
+                            ask.backend is None or ask.backend == b.name),
                         limit_blocks=cap.max_blocks(ps, b.name),
                         reserved_blocks=ps.reserved.get(b.name, 0), outstanding=b.outstanding,
                         ruled_out=(refused or {}).get(b.name)

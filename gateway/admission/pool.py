@@ -31,6 +31,7 @@ class Ask:
     tenant_share: float | None = None  # the tenant's max share of the pool's KV budget
     tenant_shadow: bool = False  # the tenant's share is counted, not enforced
     prompt_tokens: int = 0  # what its engine must prefill before the first token
+    backend: str | None = None  # only this backend may take it (it holds the conversation)
 
 
 @dataclass(eq=False)

@@ -30,12 +30,14 @@ def usage_of(endpoint: str, stream: bool, estimated_prompt: int,
 
     The engine's `usage` when it sent one (the gateway asks every stream for it); for a
     stream cut short, the prompt as counted here and one output token per streamed event
-    (after the role event that opens a chat stream).
+    (after the role event that opens a chat stream; a Responses stream counts its deltas).
     """
     if relay is None or not relay.response_started or relay.status not in (200, 499, 502):
         return None
     if relay.prompt_tokens is not None and relay.completion_tokens is not None:
         return relay.prompt_tokens, relay.cached_tokens or 0, relay.completion_tokens
+    if relay.prompt_tokens is not None and endpoint == "embeddings":
+        return relay.prompt_tokens, relay.cached_tokens or 0, 0  # its usage has no output
     if not stream or relay.first_byte is None:
         return None
     opening = 1 if endpoint == "chat" else 0

@@ -81,6 +81,16 @@ class Architecture(Strict):
         return model
 
 
+class VisionSpec(Strict):
+    """What an image costs a vision model, in prompt tokens (reconciled from the engine's
+    usage): `patch_px` given and the image's size readable (a data URL), one token per
+    `patch_px` square of it, at most `max_tokens_per_image`; else `tokens_per_image`."""
+
+    tokens_per_image: PositiveInt = 1024
+    patch_px: PositiveInt | None = None  # e.g. 28 for Qwen2-VL (14 px patches, merged 2x2)
+    max_tokens_per_image: PositiveInt | None = None
+
+
 class ModelSpec(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128)]
     served_name: str | None = None  # what the engines call it; defaults to `name`
@@ -92,6 +102,7 @@ class ModelSpec(Strict):
     architecture: Architecture | None = None
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     kv_cache_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    vision: VisionSpec | None = None  # set for a model that takes images; unset: text only
 
     @field_validator("chat_template")
     @classmethod
@@ -319,6 +330,8 @@ class UpstreamSpec(Strict):
     # A non-streaming request whose caller leaves is read to its end for this long, so its
     # quota is charged the engine's usage; past it the request is cut and charged in full.
     disconnect_drain_s: NonNegativeFloat = 30.0
+    # How long the gateway remembers which backend stored a Responses API response.
+    responses_ttl_s: PositiveFloat = 3600.0
 
 
 class HealthSpec(Strict):

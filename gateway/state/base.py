@@ -102,6 +102,14 @@ class StateBackend(abc.ABC):
         """Put `delta` tokens back (a refund) or, negative, take more (reconciliation);
         never above capacity."""
 
+    @abc.abstractmethod
+    async def remember(self, key: str, value: str, ttl_s: float) -> None:
+        """Keep `value` under `key` for `ttl_s` (which backend holds a stored response)."""
+
+    @abc.abstractmethod
+    async def recall(self, key: str) -> str | None:
+        """What `remember` kept under `key`, while it lives; None otherwise."""
+
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
         """Announce this replica; return how many replicas are alive (for fail-open shares)."""
         return 1

@@ -20,6 +20,8 @@ from gateway.state.base import (
     StateBackend,
 )
 
+KEPT_MAX = 100_000  # remembered keys (stored responses' backends) kept in one process
+
 
 class MemoryState(StateBackend):
     name = "memory"
@@ -32,6 +34,7 @@ class MemoryState(StateBackend):
         self._tokens: dict[str, int] = {}
         self._tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> blocks
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (level, at)
+        self._kept: dict[str, tuple[str, float]] = {}  # remember(): key -> (value, expiry)
 
     def _purge(self) -> None:
         now = self.clock()
@@ -108,3 +111,18 @@ class MemoryState(StateBackend):
         self._purge()
         blocks = {b: n for (p, b), n in self._blocks.items() if p == pool}
         return PoolUsage(blocks, self._tokens.get(pool, 0))
+
+    async def remember(self, key: str, value: str, ttl_s: float) -> None:
+        now = self.clock()
+        if len(self._kept) >= KEPT_MAX:  # bounded: expired ones first, then the oldest
+            self._kept = {k: v for k, v in self._kept.items() if v[1] > now}
+            while len(self._kept) >= KEPT_MAX:
+                del self._kept[next(iter(self._kept))]
+        self._kept[key] = (value, now + ttl_s)
+
+    async def recall(self, key: str) -> str | None:
+        entry = self._kept.get(key)
+        if entry is None or entry[1] <= self.clock():
+            self._kept.pop(key, None)
+            return None
+        return entry[0]

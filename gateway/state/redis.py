@@ -249,6 +249,14 @@ class RedisState(StateBackend):
         self._seen[bucket.key] = (int(remaining), self.clock())
         return BucketResult(bool(ok), int(remaining), int(reset_ms) / 1000)
 
+    async def remember(self, key: str, value: str, ttl_s: float) -> None:
+        await self._call("remember", lambda: self.client.set(
+            f"{self.prefix}:kept:{key}", value, px=max(1, int(ttl_s * 1000))))
+
+    async def recall(self, key: str) -> str | None:
+        raw = await self._call("remember", lambda: self.client.get(f"{self.prefix}:kept:{key}"))
+        return None if raw is None else _text(raw)
+
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
         key = f"{self.prefix}:replicas"
 

@@ -1,0 +1,81 @@
+"""What a request asks its engine to prefill, counted per endpoint: the count stage's work.
+
+Chat messages go through vLLM's normalisation and the model's chat template; a Responses
+input becomes the chat messages vLLM builds from it (gateway/protocol.py `responses_messages`),
+with the conversation a `previous_response_id` continues counted from what it cost; a
+completion's prompt and an embedding's input are encoded as they are. Images on a vision
+model are counted apart, by the model's rule (gateway/cost/images.py), and make the count an
+estimate; a text-only model refuses them with a clear 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.cost import TokenCounter, openai_messages
+from gateway.cost.images import VisionRule, image_size, split_images
+from gateway.policy import ModelSpec
+from gateway.protocol import (
+    ChatCompletionRequest,
+    EmbeddingsRequest,
+    ParsedRequest,
+    ResponsesRequest,
+    responses_messages,
+    template_kwargs,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: int  # of the longest prompt
+    prompts: int
+    exact: bool
+    chars: int
+
+
+async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
+                       parsed: ParsedRequest, who: str, prior_tokens: int = 0) -> Prompt:
+    """Raises the cost stage's RequestCostError for what the caller got wrong."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return await _chat(counter, model, data["messages"], data.get("tools"),
+                           template_kwargs(data), who, exact=True)
+    if isinstance(parsed, ResponsesRequest):
+        messages, exact = responses_messages(parsed)
+        p = await _chat(counter, model, messages, _chat_tools(parsed.tools), {}, who, exact)
+        # The conversation it continues is prepended by the engine: counted as it cost then.
+        return Prompt(p.tokens + prior_tokens, 1, p.exact and not prior_tokens, p.chars)
+    prompt = data["input"] if isinstance(parsed, EmbeddingsRequest) else data["prompt"]
+    counts = await counter.measure_prompt(prompt, caller=who)
+    return Prompt(max(c.tokens for c in counts), len(counts), all(c.exact for c in counts),
+                  sum(c.chars for c in counts))
+
+
+async def _chat(counter: TokenCounter, model: ModelSpec, messages: Sequence[Any],
+                tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any],
+                who: str, exact: bool) -> Prompt:
+    images: list[str] = []
+    if model.vision is not None:
+        messages, images = split_images(messages)
+    # vLLM's normalisation first (null content, text parts, tool-call arguments), so the
+    # count is the engine's count.
+    tc = await counter.measure_chat(openai_messages(messages), tools, kwargs, caller=who)
+    if not images or model.vision is None:
+        return Prompt(tc.tokens, 1, tc.exact and exact, tc.chars)
+    v = model.vision
+    rule = VisionRule(v.tokens_per_image, v.patch_px, v.max_tokens_per_image)
+    return Prompt(tc.tokens + sum(rule.tokens(image_size(url)) for url in images), 1, False,
+                  tc.chars)
+
+
+def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses API tools (flat: type, name, parameters) in the chat shape templates read."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        if isinstance(t, dict) and t.get("type") == "function":
+            out.append({"type": "function", "function": {
+                k: t[k] for k in ("name", "description", "parameters") if k in t}})
+    return out or None
