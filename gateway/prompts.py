@@ -43,7 +43,12 @@ async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, 
                            template_kwargs(data), who, exact=True)
     if isinstance(parsed, ResponsesRequest):
         messages, exact = responses_messages(parsed)
-        p = await _chat(counter, model, messages, _chat_tools(parsed.tools), {}, who, exact)
+        reasoning = data.get("reasoning")
+        # The Responses API's reasoning.effort reaches the template as chat's reasoning_effort.
+        fields = {"reasoning_effort": reasoning["effort"]} \
+            if isinstance(reasoning, dict) and reasoning.get("effort") is not None else {}
+        p = await _chat(counter, model, messages, _chat_tools(parsed.tools),
+                        template_kwargs(fields), who, exact)
         # The conversation it continues is prepended by the engine: counted as it cost then.
         return Prompt(p.tokens + prior_tokens, 1, p.exact and not prior_tokens, p.chars)
     prompt = data["input"] if isinstance(parsed, EmbeddingsRequest) else data["prompt"]
