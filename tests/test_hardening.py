@@ -181,8 +181,8 @@ def test_a_non_streaming_request_cut_by_its_caller_is_charged_what_the_engine_ma
 def test_a_parallel_burst_is_held_to_the_quota_whatever_other_tenants_taught(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
     with start_sim() as sim, start_gateway(tenant_policy([sim.url], tpm=1500)) as gw:
-        for _ in range(10):  # another tenant's short answers teach an expected output of ~4
-            assert chat(gw, KEY_B, max_tokens=4)[0] == 200
+        for _ in range(25):  # another tenant's short answers teach an expected output of ~4
+            assert chat(gw, KEY_B, max_tokens=4)[0] == 200  # (learned from 20 answers on)
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(20) as pool:
             replies = list(pool.map(lambda _: chat(gw, KEY_A, max_tokens=200, min_tokens=200,
@@ -219,6 +219,22 @@ async def test_retry_after_agrees_with_when_a_tenant_in_debt_is_admitted() -> No
         await take_quota(state, tenant, 50, enforce=True)
     clock[0] += 0.1
     assert await take_quota(state, tenant, 50, enforce=True) is not None
+
+
+def test_a_tenant_in_debt_is_told_to_wait_until_its_bucket_admits_it(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    with start_sim("--time-scale", "0.1") as sim, \
+            start_gateway(tenant_policy([sim.url], tpm=600)) as gw:
+        # A full bucket gives one request more than it holds: ~1,500 tokens against 600.
+        status, _, _ = chat(gw, KEY_A, max_tokens=1500, min_tokens=1500, ignore_eos=True)
+        assert status == 200
+        status, headers, err = chat(gw, KEY_A, max_tokens=5)
+        assert status == 429
+        retry = int(headers["retry-after"])
+        # Before: retry-after 1 while the bucket was ~900 tokens in debt (10 tokens/s).
+        assert retry >= 60, headers
+        assert f"try again in {retry - 1}." in err["error"]["message"] or \
+            f"try again in {retry}." in err["error"]["message"], err  # type: ignore[index]
 
 
 # --- 8: no address or exception text in any answer ----------------------------------------------
