@@ -14,6 +14,7 @@ import logging
 
 from gateway.profiles import GPUS, MODELS
 from loadtest.sim.config import DTYPES, KV_CACHE_DTYPES, ConfigError, SimConfig
+from loadtest.sim.endpoints import EndpointOptions
 from loadtest.sim.faults import FaultSettings
 
 
@@ -69,6 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--stall-after-tokens", type=int, default=1)
     f.add_argument("--stall-s", type=float, default=0.0)
 
+    d = EndpointOptions()
+    o = parser.add_argument_group("endpoints (images, embeddings, the Responses API store)")
+    o.add_argument("--image-tokens", type=int, default=d.image_tokens,
+                   help=f"prompt tokens each image part costs (default: {d.image_tokens})")
+    o.add_argument("--embedding-dim", type=int, default=d.embedding_dim,
+                   help=f"dimension of /v1/embeddings vectors (default: {d.embedding_dim})")
+    o.add_argument("--responses-store-max", type=int, default=d.responses_store_max,
+                   help="stored responses kept, most recent first "
+                        f"(default: {d.responses_store_max})")
+    o.add_argument("--responses-store-ttl-s", type=float, default=d.responses_store_ttl_s,
+                   help="seconds a stored response is kept after its last update "
+                        f"(default: {d.responses_store_ttl_s:g})")
+
     n = parser.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     n.add_argument("--port", type=int, default=8001)
@@ -98,15 +112,24 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+def options_from_args(args: argparse.Namespace) -> EndpointOptions:
+    options = EndpointOptions(image_tokens=args.image_tokens, embedding_dim=args.embedding_dim,
+                              responses_store_max=args.responses_store_max,
+                              responses_store_ttl_s=args.responses_store_ttl_s)
+    options.check()
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
         config.resolve()  # fail fast, before uvicorn starts, with the flag named
+        options = options_from_args(args)
     except ConfigError as exc:
         print(f"loadtest sim: {exc}")
         return 2
     from loadtest.sim.server import serve  # uvicorn and the tokenizer only when serving
 
-    asyncio.run(serve(config, args.host, args.port, args.log_level, args.access_log))
+    asyncio.run(serve(config, args.host, args.port, args.log_level, args.access_log, options))
     return 0

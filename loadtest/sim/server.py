@@ -8,7 +8,8 @@ that handler's event. Handlers never touch the scheduler except to add or abort 
     await serve(config, host, port)        uvicorn on loopback, with the "down" fault wired in
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, and GET|POST|DELETE /admin/faults, GET /admin/state (see docs/simulator.md).
+GET /metrics, and GET|POST|DELETE /admin/faults, GET /admin/state (see docs/simulator.md); the
+Responses API, embeddings and tokenization are in endpoints.py and the modules it names.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from gateway.cost import (
     load_tokenizer,
     openai_messages,
 )
-from loadtest.sim import prompts, sse
+from loadtest.sim import multimodal, prompts, sse
 from loadtest.sim.config import SimConfig
+from loadtest.sim.endpoints import EndpointOptions, Endpoints
 from loadtest.sim.engine import EngineCore
 from loadtest.sim.faults import (
     FaultError,
@@ -89,9 +91,12 @@ class _Sink:
 class SimApp:
     """ASGI app of one simulated engine replica."""
 
-    def __init__(self, config: SimConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer | None = None,
+                 options: EndpointOptions | None = None) -> None:
         self.config = config
         self.spec = config.resolve()
+        self.options = options or EndpointOptions()
+        self.options.check()
         self.core = EngineCore(self.spec)
         self.metrics = SimMetrics(self.spec)
         self.faults = FaultInjector(config.faults, config.seed)
@@ -118,6 +123,8 @@ class SimApp:
             ("DELETE", "/admin/faults"): self._faults_delete,
             ("GET", "/admin/state"): self._state,
         }
+        self.endpoints = Endpoints(self)
+        self._routes.update(self.endpoints.routes)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -129,6 +136,7 @@ class SimApp:
         log.info("simulated engine: %s", self.spec.describe())
 
     async def shutdown(self) -> None:
+        self.endpoints.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -141,7 +149,8 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            handler = self._routes.get((scope["method"], scope["path"]))
+            handler = (self._routes.get((scope["method"], scope["path"]))
+                       or self.endpoints.match(scope["method"], scope["path"]))
             if handler is None:
                 status = 405 if any(p == scope["path"] for _, p in self._routes) else 404
                 await _respond(send, status, orjson.dumps(
@@ -218,30 +227,16 @@ class SimApp:
                                          parsed.max_tokens)
             if error is not None:
                 raise error
-            # The API server's time (steptime.FRONTEND_LATENCY_S) before the request reaches the
-            # engine's queue; this process's own parsing and tokenizing count towards it.
-            frontend = arrival + FRONTEND_LATENCY_S * self.spec.time_scale - loop.time()
-            if frontend > 0:
-                await asyncio.sleep(frontend)
-            limit = self.spec.max_num_queued_reqs
-            if limit is not None and self.core.num_unfinished >= limit:
-                raise ApiError(503, f"The server is overloaded: {self.core.num_unfinished} "
-                               f"requests are in flight (--max-num-queued-reqs {limit}). "
-                               "Please retry later.")
+            chat = parsed.kind == "chat"
+            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            sink = _Sink()
+            request = await self.enter(
+                arrival, request_id, prompt_tokens, hashes,
+                parsed.max_tokens or self.spec.max_model_len - prompt_tokens,
+                parsed.min_tokens, parsed.ignore_eos, sink.notify)
         except ApiError as exc:
             await _respond(send, exc.status, exc.body())
             return
-        max_tokens = parsed.max_tokens or self.spec.max_model_len - prompt_tokens
-        target = self.lengths.draw(max_tokens, min(parsed.min_tokens, max_tokens),
-                                   parsed.ignore_eos)
-        chat = parsed.kind == "chat"
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        sink = _Sink()
-        request = SimRequest(request_id, prompt_tokens, max_tokens, target, arrival, hashes,
-                             salt=next(self._salts), on_progress=sink.notify)
-        # No await between the in-flight check above and this add: the count is exact.
-        self.core.add(request)
-        self._wake.set()
         watcher = asyncio.create_task(self._watch_disconnect(receive, request, sink))
         try:
             if parsed.stream:
@@ -256,6 +251,36 @@ class SimApp:
                 self.core.abort(request)
                 self._wake.set()
 
+    async def enter(self, arrival: float, request_id: str, prompt_tokens: int,
+                    hashes: list[int], max_tokens: int, min_tokens: int, ignore_eos: bool,
+                    on_progress: Callable[[SimRequest], None]) -> SimRequest:
+        """A measured request into the engine's waiting queue (every generating endpoint): the
+        API server's time, then the in-flight cap (ApiError 503), then the queue."""
+        loop = asyncio.get_running_loop()
+        # The API server's time (steptime.FRONTEND_LATENCY_S) before the request reaches the
+        # engine's queue; this process's own parsing and tokenizing count towards it.
+        frontend = arrival + FRONTEND_LATENCY_S * self.spec.time_scale - loop.time()
+        if frontend > 0:
+            await asyncio.sleep(frontend)
+        limit = self.spec.max_num_queued_reqs
+        if limit is not None and self.core.num_unfinished >= limit:
+            raise ApiError(503, f"The server is overloaded: {self.core.num_unfinished} "
+                           f"requests are in flight (--max-num-queued-reqs {limit}). "
+                           "Please retry later.")
+        target = self.lengths.draw(max_tokens, min(min_tokens, max_tokens), ignore_eos)
+        request = SimRequest(request_id, prompt_tokens, max_tokens, target, arrival, hashes,
+                             salt=next(self._salts), on_progress=on_progress)
+        # No await between the in-flight check above and this add: the count is exact.
+        self.core.add(request)
+        self._wake.set()
+        return request
+
+    def release(self, request: SimRequest) -> None:
+        """Out of the engine if it is still in (the client left, or the caller is done)."""
+        if not request.finished:
+            self.core.abort(request)
+            self._wake.set()
+
     async def _measure(self, parsed: ParsedRequest) -> tuple[int, list[int]]:
         """Exact prompt tokens (the gateway's tokenizer) and block hashes for prefix caching."""
         assert self.counter is not None, "SimApp.startup() was not run"
@@ -269,6 +294,7 @@ class SimApp:
                 messages = openai_messages(parsed.messages)
                 tokens = await self.counter.count_chat(messages, parsed.tools,
                                                        **parsed.template_kwargs)
+                tokens += len(parsed.images) * self.options.image_tokens
             elif parsed.prompt_ids is not None:
                 tokens = len(parsed.prompt_ids)
             else:
@@ -283,7 +309,8 @@ class SimApp:
         elif parsed.prompt_ids is not None:
             hashes = prompts.from_token_ids(parsed.prompt_ids, block)
         elif parsed.kind == "chat":
-            hashes = prompts.from_messages(messages, parsed.tools, tokens, block)
+            hashes = prompts.from_messages(multimodal.keyed(messages, parsed.images),
+                                           parsed.tools, tokens, block)
         else:
             hashes = prompts.from_text(parsed.prompt_text or "", tokens, block)
         return tokens, hashes
@@ -509,15 +536,17 @@ async def _respond(send: Send, status: int, body: bytes,
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def create_app(config: SimConfig, tokenizer: Tokenizer | None = None) -> SimApp:
+def create_app(config: SimConfig, tokenizer: Tokenizer | None = None,
+               options: EndpointOptions | None = None) -> SimApp:
     """An ASGI app for `config`; raises `ConfigError` at once for a bad configuration."""
-    return SimApp(config, tokenizer)
+    return SimApp(config, tokenizer, options)
 
 
 async def serve(config: SimConfig, host: str = "127.0.0.1", port: int = 8001,
-                log_level: str = "info", access_log: bool = False) -> None:
+                log_level: str = "info", access_log: bool = False,
+                options: EndpointOptions | None = None) -> None:
     """Run the engine on uvicorn until SIGINT/SIGTERM (or the task is cancelled)."""
-    app = create_app(config)
+    app = create_app(config, options=options)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                access_log=access_log, lifespan="on",
                                timeout_graceful_shutdown=3)
