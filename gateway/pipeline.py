@@ -42,6 +42,7 @@ from gateway.policy.model import TenantSpec
 from gateway.profiles import ModelProfile, get_model
 from gateway.prompts import Prompt, count_prompt
 from gateway.protocol import (
+    EmbeddingsRequest,
     Endpoint,
     ParsedRequest,
     ResponsesRequest,
@@ -58,6 +59,9 @@ from gateway.runtime import Runtime
 log = logging.getLogger("gateway.api")
 
 _FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
+# The stages timed into gateway_request_stage_seconds, in the order a request meets them;
+# `queue` is the admission queue's wait, `admission` the decision and reservation without it.
+STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 Headers = Mapping[bytes, bytes]
 
@@ -159,6 +163,11 @@ class Pipeline:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.loop_time = asyncio.get_running_loop().time
+        # Stage timers bound once: a request observes each with no label lookup.
+        stage = rt.metrics.request_stage
+        self._timed = rt.policy.server.stage_metrics
+        self._stage = {name: stage.labels(name).observe for name in STAGES}
 
     # identify ---------------------------------------------------------------------------------
 
@@ -213,7 +222,7 @@ class Pipeline:
                 block_size=pool.block_size, tp=pool.tp,
                 default_max_tokens=pool.max_tokens_default or rt.policy.defaults.max_tokens,
                 expected_output=rt.output_lengths[model.name], kv_dtype=model.kv_cache_dtype,
-                max_model_len=pool.max_model_len)
+                max_model_len=pool.max_model_len, allow_prefill_only=is_embedding(parsed))
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
         return Work(cost, prompt.prompts * (parsed.n or 1))
@@ -221,22 +230,34 @@ class Pipeline:
     # identify -> read -> parse -> count -> route -> estimate ----------------------------------
 
     async def prepare(self, inbound: Inbound, client: Client,
-                      on_read: Callable[[], None] | None = None) -> Prepared:
-        """The stages before any state changes; the same for serving and for previewing."""
+                      on_read: Callable[[], None] | None = None,
+                      timed: bool = False) -> Prepared:
+        """The stages before any state changes; the same for serving and for previewing.
+        `timed`: each stage's time into gateway_request_stage_seconds (served requests)."""
+        lap = self._lap if timed and self._timed else _no_lap
         caller = self.identify(inbound.headers)
         body = await self.read(client)
         if on_read is not None:
             on_read()
+        t = lap("read", inbound.arrival)
         endpoint, data, parsed = self.parse(body, inbound.endpoint)
         model = self.rt.router.model(parsed.model)
         self.rt.tenants.check_model(caller.tenant, model.name)
+        t = lap("parse", t)
         held = await self._held(parsed)
         prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0)
+        t = lap("count", t)
         route = self.route(model, prompt, parsed)
         if held is not None and held.pool != route.pool and held.pool in self.rt.policy.pools:
             route = Route(model, held.pool)  # the conversation lives there
         work = self.estimate(model, route, prompt, parsed)
+        lap("route", t)
         return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held)
+
+    def _lap(self, stage: str, since: float) -> float:
+        now = self.loop_time()
+        self._stage[stage](now - since)
+        return now
 
     async def _held(self, parsed: ParsedRequest) -> Held | None:
         if isinstance(parsed, ResponsesRequest) and parsed.previous_response_id:
@@ -279,10 +300,16 @@ class Pipeline:
         forward_start = 0.0
         task = asyncio.current_task()
         try:
-            p = await self.prepare(inbound, client, on_read)
+            p = await self.prepare(inbound, client, on_read, timed=True)
+            lap = self._lap if self._timed else _no_lap
+            t = self.loop_time()
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
+            t = lap("quota", t)
             upstream_body, strip_usage = self._upstream_body(p)
             ticket = await rt.admission.admit(p.ask())
+            if self._timed:
+                self._stage["queue"](ticket.queue_s)
+                lap("admission", t + ticket.queue_s)
             relay = Relay()
             record = Record(inbound.request_id, p.endpoint, p.model.name, p.route.pool,
                             p.caller.tenant.name, bool(p.parsed.stream), inbound.arrival,
@@ -296,6 +323,8 @@ class Pipeline:
                 # caller leaves (bounded), or the caller could cut to dodge its quota.
                 client.linger(rt.policy.upstream.disconnect_drain_s)
             await self._forward(p, up, relay, ticket, client.send, forward_start)
+            if self._timed and relay.headers_at is not None:
+                self._stage["upstream_headers"](relay.headers_at - forward_start)
         except asyncio.CancelledError:
             if not client.gone:
                 raise
@@ -422,6 +451,14 @@ class Pipeline:
 
 def profile_of(model: ModelSpec) -> ModelProfile:
     return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
+
+
+def is_embedding(parsed: ParsedRequest) -> bool:
+    return isinstance(parsed, EmbeddingsRequest)
+
+
+def _no_lap(stage: str, since: float) -> float:
+    return since
 
 
 def _charge(record: Record | None, quota: QuotaTicket, gone: bool) -> int | None:

@@ -311,13 +311,30 @@ def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def endpoint_of(body: bytes) -> Endpoint:
-    """`/gateway/estimate` takes either body: a `prompt` and no `messages` is a completion."""
+    """Which endpoint's body `/gateway/estimate` was given (`?endpoint=` says it outright):
+    `messages` is a chat; `prompt` a completion; `input` a Responses request when a field
+    only that API has is set or its items are objects, else an embedding."""
     try:
         probe = orjson.loads(body)
     except orjson.JSONDecodeError:
         return "chat"  # parse_request answers it with the standard 400
-    return "completions" if isinstance(probe, dict) and "prompt" in probe \
-        and "messages" not in probe else "chat"
+    if not isinstance(probe, dict) or "messages" in probe:
+        return "chat"
+    if "prompt" in probe:
+        return "completions"
+    if "input" in probe:
+        items = probe["input"]
+        if _RESPONSES_ONLY.intersection(probe) or (
+                isinstance(items, list) and any(isinstance(i, dict) for i in items)):
+            return "responses"
+        return "embeddings"
+    return "chat"
+
+
+_RESPONSES_ONLY = frozenset({"instructions", "max_output_tokens", "previous_response_id",
+                             "reasoning", "tools", "tool_choice", "store", "background",
+                             "stream", "text", "truncation"})
+ENDPOINTS: frozenset[str] = frozenset({"chat", "completions", "responses", "embeddings"})
 
 
 def responses_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], bool]:

@@ -83,6 +83,7 @@ class Relay:
     attempts: int = 0
     response_started: bool = False
     response_id: str | None = None  # a Responses API answer's id, to find its backend later
+    headers_at: float | None = None  # loop time the engine's answer headers came
     error: str = ""
     upstream_headers: dict[str, str] = field(default_factory=dict)
 
@@ -122,6 +123,7 @@ class Forwarder:
             backend.outstanding += 1
             try:
                 resp, failure = await self._open(up, backend)
+                ex.headers_at = self.loop.time()
                 if resp is None:  # connect failure: nothing reached the engine; try another
                     last_error = f"`{backend.name}`: {failure}"
                     continue

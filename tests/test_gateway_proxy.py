@@ -150,3 +150,21 @@ def test_all_backends_down_answers_503_and_not_ready(start_gateway: StartGateway
         ready = http("GET", gw.url + "/readyz")
         assert ready.status == 503
         assert b"no healthy backend in pool(s): default" in ready.body
+
+
+def test_each_stage_of_a_request_is_timed(sim_and_gateway: tuple[Server, Server]) -> None:
+    _, gw = sim_and_gateway
+    c = openai_client(gw.url)
+    for stream in (False, True):
+        resp = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type, call-overload]
+                                         max_tokens=4, stream=stream)
+        if stream:
+            list(resp)
+    samples = settled(gw.url, "gateway_requests_total", 2)
+    for stage in ("read", "parse", "count", "route", "quota", "queue", "admission",
+                  "upstream_headers"):
+        assert metric(samples, "gateway_request_stage_seconds_count", stage=stage) == 2, stage
+    # The estimate is not a forwarded request: its stages are not in the budget.
+    assert http("POST", gw.url + "/gateway/estimate",
+                {"model": "test-model", "messages": MESSAGES}).status == 200
+    assert metric(scrape(gw.url), "gateway_request_stage_seconds_count", stage="count") == 2

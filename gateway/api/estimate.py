@@ -12,12 +12,15 @@ was this request rejected?".
 from __future__ import annotations
 
 import logging
+from typing import cast
+from urllib.parse import parse_qs
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.openai import AsgiClient, PipelineEndpoint, inbound
 from gateway.errors import GatewayError, InternalError
+from gateway.protocol import ENDPOINTS, Endpoint
 
 log = logging.getLogger("gateway.api")
 
@@ -25,7 +28,11 @@ log = logging.getLogger("gateway.api")
 class EstimateEndpoint(PipelineEndpoint):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.pipeline()
-        request = inbound(scope, None)
+        # `?endpoint=responses` (or chat, completions, embeddings) when the body alone does
+        # not say which API it is for; otherwise it is told from the body.
+        asked = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("endpoint")
+        request = inbound(scope, cast(Endpoint, asked[0])
+                          if asked and asked[0] in ENDPOINTS else None)
         client = AsgiClient(receive, send, request.headers, request.request_id)
         try:
             out = await pipeline.preview(request, client)

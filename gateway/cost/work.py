@@ -128,6 +128,7 @@ def estimate(
     expected_output: int | OutputLengthModel | None = None,
     kv_dtype: str = "bf16",
     max_model_len: int | None = None,
+    allow_prefill_only: bool = False,
 ) -> RequestCost:
     """Cost of one request.
 
@@ -140,7 +141,8 @@ def estimate(
         raise ValueError(f"prompt_tokens: must not be negative, got {prompt_tokens}")
     if block_size <= 0 or tp <= 0:
         raise ValueError(f"block_size and tp: must be positive, got {block_size} and {tp}")
-    if max_tokens is not None and max_tokens < 1:
+    prefill_only = max_tokens == 0 and allow_prefill_only  # an embedding: nothing decoded
+    if max_tokens is not None and max_tokens < 1 and not prefill_only:
         err = RequestCostError(f"max_tokens: must be at least 1, got {max_tokens}")
         err.param = "max_tokens"
         raise err

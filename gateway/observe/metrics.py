@@ -26,6 +26,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                 0.5, 1.0, 2.5)
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# A stage takes microseconds (routing) to seconds (a long prompt's tokens, a queue).
+STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "disconnect", "protocol")
 
@@ -63,6 +66,13 @@ class GatewayMetrics:
             "gateway_event_loop_lag_seconds",
             "How late the event loop ran a timer: time every stream waited for CPU.",
             buckets=LAG_BUCKETS, registry=r)
+        # Where the time before the first byte goes upstream is spent, one stage at a time
+        # (gateway/pipeline.py names them): the gateway's own cost, request by request.
+        self.request_stage = Histogram(
+            "gateway_request_stage_seconds",
+            "Time each request spends in each stage before its first byte goes upstream, and "
+            "the engine's answer headers after it.", ["stage"], buckets=STAGE_BUCKETS,
+            registry=r)
         self.gc_pause = Histogram(
             "gateway_gc_pause_seconds", "Garbage-collection pauses, by generation.",
             ["generation"], buckets=LAG_BUCKETS, registry=r)

@@ -292,6 +292,9 @@ class ServerSpec(Strict):
     # Requests handled at once by this process; beyond it, 503 at once instead of an
     # unbounded backlog (queued requests count: they hold a connection and a task).
     max_concurrent_requests: PositiveInt = 4096
+    # gateway_request_stage_seconds: each request's time in each stage (a few observations per
+    # request; off only to measure what they cost).
+    stage_metrics: bool = True
 
 
 Priority = Literal["critical", "standard", "sheddable"]
