@@ -128,3 +128,21 @@ async def test_token_bucket_take_refund_and_refill(make_state: Callable[[], Stat
     assert (await state.take(big, 5000)).ok  # a full bucket gives once, even too much
     assert not (await state.take(big, 1)).ok
     await state.close()
+
+
+@pytest.mark.anyio
+async def test_remembered_values_are_shared_and_expire(
+        make_state: Callable[[], StateBackend]) -> None:
+    # Which backend stored a Responses API response: every replica must find it (Redis).
+    key = f"response:{pool()}"
+    writer, reader = make_state(), make_state()
+    if isinstance(writer, MemoryState):
+        reader = writer  # one process's memory: shared with itself only
+    await writer.remember(key, "default\tb1\t42", 0.3)
+    assert await reader.recall(key) == "default\tb1\t42"
+    assert await reader.recall(key + "-other") is None
+    await asyncio.sleep(0.45)
+    assert await reader.recall(key) is None
+    await writer.close()
+    if reader is not writer:
+        await reader.close()
