@@ -1,23 +1,39 @@
-"""One test body for every state backend: memory and a real Redis (never skipped)."""
+"""One test body for every state backend: memory, a real Redis (never skipped), a 3-primary
+Redis Cluster and a Sentinel-managed primary (both started here, tests/redis_topologies.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from gateway.state import Bucket, Lease, Limits, MemoryState, StateBackend, create_state
+from tests.redis_topologies import redis_cluster, redis_sentinels
 
 
-@pytest.fixture(params=["memory", "redis"])
-def make_state(request: pytest.FixtureRequest, redis_url: str) -> Callable[[], StateBackend]:
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_cluster(tmp_path_factory.mktemp("cluster"), primaries=3, replicas=0) as c:
+        yield c.url
+
+
+@pytest.fixture(scope="module")
+def sentinel_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_sentinels(tmp_path_factory.mktemp("sentinel")) as s:
+        yield s.url
+
+
+@pytest.fixture(params=["memory", "redis", "cluster", "sentinel"])
+def make_state(request: pytest.FixtureRequest, redis_url: str) -> Callable[..., StateBackend]:
     """A factory: a Redis client must be made inside the event loop that uses it."""
     if request.param == "memory":
-        return MemoryState
-    return lambda: create_state(redis_url)
+        return lambda prefix="gw": MemoryState()
+    url = {"redis": redis_url, "cluster": request.getfixturevalue("cluster_url"),
+           "sentinel": request.getfixturevalue("sentinel_url")}[request.param]
+    return lambda prefix="gw": create_state(url, prefix)
 
 
 def pool() -> str:
@@ -146,3 +162,18 @@ async def test_remembered_values_are_shared_and_expire(
     await writer.close()
     if reader is not writer:
         await reader.close()
+
+
+@pytest.mark.anyio
+async def test_replicas_count_each_other(make_state: Callable[..., StateBackend]) -> None:
+    prefix = f"hb-{uuid.uuid4().hex[:8]}"  # its own heartbeat key, even on a shared Redis
+    a, b = make_state(prefix), make_state(prefix)
+    if isinstance(a, MemoryState):
+        assert await a.heartbeat("a", 0.3) == 1  # one process: alone by definition
+        return
+    assert await a.heartbeat("a", 0.3) == 1
+    assert await b.heartbeat("b", 0.3) == 2
+    await asyncio.sleep(0.45)  # a stopped beating: it no longer counts
+    assert await b.heartbeat("b", 0.3) == 1
+    await a.close()
+    await b.close()

@@ -6,13 +6,24 @@ import argparse
 import sys
 
 from gateway.policy import Policy, PolicyError, load_policy
+from gateway.state.urls import CLUSTER, SENTINEL, parse_url, state_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="policy YAML files")
+    parser.add_argument("--redis-url", default=None,
+                        help="also check the state URL `gateway serve --redis-url` would get "
+                             "(its form only: nothing is connected to)")
+    parser.add_argument("--state-prefix", default="gw", help="and the key prefix")
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = state_problem(args.redis_url, args.state_prefix)
+    if problem:
+        print(f"gateway check: {problem}", file=sys.stderr)
+        return 2
+    if args.redis_url:
+        print(f"state: {describe_state(args.redis_url)}")
     failed = False
     for path in args.files:
         try:
@@ -24,6 +35,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{path}: ok")
         print(summarise(policy))
     return 1 if failed else 0
+
+
+def describe_state(url: str) -> str:
+    target = parse_url(url)
+    nodes = ", ".join(f"{host}:{port}" for host, port in target.nodes)
+    if target.kind == CLUSTER:
+        return f"Redis Cluster, found from {nodes}"
+    if target.kind == SENTINEL:
+        return f"primary {target.service!r} (db {target.db}) named by the Sentinels at {nodes}"
+    return "one Redis" if target.url else "memory (this process only)"
 
 
 def summarise(policy: Policy) -> str:

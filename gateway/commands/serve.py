@@ -16,6 +16,7 @@ from gateway.app import create_app
 from gateway.observe.accesslog import configure_logging
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.serving import server, workers
+from gateway.state.urls import state_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-host", default="127.0.0.1",
                         help="address of --admin-port (default 127.0.0.1)")
     parser.add_argument("--redis-url", default=None,
-                        help="share reservations and quotas between replicas through Redis")
+                        help="share reservations and quotas between replicas through Redis: "
+                             "redis://host:port/db, redis+cluster://host:port,host:port or "
+                             "redis+sentinel://host:port,host:port/service_name")
     parser.add_argument("--state-prefix", default="gw",
                         help="prefix of this deployment's Redis keys (default gw)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
@@ -40,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _workers_problem(args)
+    problem = _workers_problem(args) or state_problem(args.redis_url, args.state_prefix)
     if problem:
         print(f"gateway serve: {problem}", file=sys.stderr)
         return 2

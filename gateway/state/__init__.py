@@ -1,7 +1,9 @@
 """Where reservations live: `memory` (one process) or `redis` (shared by replicas).
 
-    create_state(None)               -> MemoryState
-    create_state("redis://host:6379") -> RedisState
+    create_state(None)                          -> MemoryState
+    create_state("redis://host:6379")            -> RedisState on one Redis
+    create_state("redis+cluster://h:7000,h:7001") -> RedisState on a Redis Cluster
+    create_state("redis+sentinel://h:26379/mymaster") -> RedisState on a Sentinel-managed primary
 
 Redis calls are bounded by the policy's `state` section (each call's timeout, then a circuit
 breaker; gateway/state/breaker.py), counted in `metrics` when it is given.
@@ -22,6 +24,7 @@ from gateway.state.base import (
     StateError,
 )
 from gateway.state.memory import MemoryState
+from gateway.state.urls import MEMORY, parse_url
 
 if TYPE_CHECKING:
     from gateway.observe.metrics import GatewayMetrics
@@ -30,15 +33,14 @@ if TYPE_CHECKING:
 
 def create_state(url: str | None, prefix: str = "gw", policy: Policy | None = None,
                  metrics: GatewayMetrics | None = None) -> StateBackend:
-    """The backend `url` names; Redis calls bounded by `policy.state` (read once, here)."""
-    if not url or url == "memory://":
+    """The backend `url` names (gateway/state/urls.py); Redis calls bounded by `policy.state`
+    (read once, here). A URL that names none is a ValueError of one line."""
+    if parse_url(url).kind == MEMORY:
         return MemoryState()
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from gateway.state.redis import RedisState
+    from gateway.state.redis import RedisState
 
-        return RedisState(url, prefix=prefix, spec=policy.state if policy else None,
-                          metrics=metrics)
-    raise ValueError(f"--redis-url: expected redis://host:port[/db], got {url!r}")
+    assert url is not None
+    return RedisState(url, prefix=prefix, spec=policy.state if policy else None, metrics=metrics)
 
 
 __all__ = ["Bucket", "BucketResult", "Lease", "Limits", "MemoryState", "PoolUsage",

@@ -2,8 +2,17 @@
 
 Each check-and-update is exactly one Lua script, kept as a .lua file and registered once
 (EVALSHA). Keys carry a `{pool}` hash tag so all keys of a pool share one Redis Cluster slot
-and a script can touch them together. Redis errors become `StateError`; admission decides
-what that means (fail open or closed).
+and a script can touch them together (tests/test_state_slots.py holds every call to one slot).
+Redis errors become `StateError`; admission decides what that means (fail open or closed).
+
+The URL chooses the client (gateway/state/urls.py): one Redis (`redis://`), a Redis Cluster
+(`redis+cluster://`, redis-py's RedisCluster: each script goes to the primary of its pool's
+slot) or a Sentinel-managed primary (`redis+sentinel://`, redis-py's Sentinel.master_for: a
+failover is followed by asking the Sentinels again). All three go through the same deadline
+and breaker. During a failover the old primary refuses connections (or the cluster answers
+CLUSTERDOWN / TRYAGAIN): that opens the breaker, the pools' fail mode applies, and the first
+probe after the replica is promoted closes it again; a script the new primary has not seen is
+loaded on its first NOSCRIPT.
 
 Every call is bounded by the policy's `state.timeout_s`, connecting included, and goes through
 a circuit breaker (gateway/state/breaker.py): a Redis that hangs costs the first call its
@@ -28,13 +37,20 @@ import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    MaxConnectionsError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.observe.metrics import GatewayMetrics
@@ -50,12 +66,17 @@ from gateway.state.base import (
     StateError,
 )
 from gateway.state.breaker import CLOSED, NAMES, Breaker
+from gateway.state.urls import CLUSTER, SENTINEL, SINGLE, StateURL, check_prefix, parse_url, safe
 
 DEFAULT_PREFIX = "gw"
 UNRELEASED_MAX = 100_000  # leases kept for release after an outage; beyond, the TTL frees them
 
 log = logging.getLogger("gateway.state")
 T = TypeVar("T")
+# Answers that say the store cannot take the call now, as a refused connection does: a cluster
+# whose slot has no primary yet (CLUSTERDOWN, TRYAGAIN during a failover, a slot not covered).
+# They open the breaker, so calls fail at once instead of each paying redis-py's pauses.
+UNAVAILABLE = (ClusterDownError, TryAgainError, RedisClusterException)
 
 
 class NotSent(StateError):
@@ -71,9 +92,50 @@ def _script(name: str, with_purge: bool = False) -> str:
 
 
 def pool_keys(pool: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """The keys of a pool's leases (reserve, release, usage and refresh use them), one slot."""
     tag = f"{prefix}:{{{pool}}}"
     return [f"{tag}:expiry", f"{tag}:leases", f"{tag}:blocks", f"{tag}:tokens",
             f"{tag}:tenants"]
+
+
+def bucket_key(bucket: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """A quota bucket's key (`TENANT:minute` or `TENANT:day`): one key, its own slot."""
+    return f"{prefix}:quota:{{{bucket}}}"
+
+
+def replicas_key(prefix: str = DEFAULT_PREFIX) -> str:
+    """The replicas' heartbeats: one key."""
+    return f"{prefix}:replicas"
+
+
+def make_client(target: StateURL, timeout_s: float
+                ) -> tuple[aioredis.Redis | RedisCluster, list[aioredis.Redis]]:
+    """The client `target` names, and the Sentinel connections to close with it (if any).
+
+    No hidden retry of a timeout (the breaker decides what a timeout means), and the socket
+    timeouts only back up the per-call deadline that `_call` sets. A pooled connection to a
+    Redis that restarted fails its next command; one reconnect (for a cluster: one new look at
+    the slots) keeps that release (or reserve) from being lost to a dead socket."""
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+        "health_check_interval": 5, "max_connections": 256,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))}
+    if target.kind == SINGLE:
+        client = aioredis.Redis.from_url(target.url, retry_on_timeout=False,
+                                         retry_on_error=[RedisConnectionError], **common)
+        return client, []
+    if target.kind == CLUSTER:
+        nodes = [ClusterNode(host, port) for host, port in target.nodes]
+        return RedisCluster(startup_nodes=nodes, username=target.username,
+                            password=target.password, **common), []
+    assert target.kind == SENTINEL
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.nodes), sentinel_kwargs={"socket_timeout": timeout_s,
+                                             "socket_connect_timeout": timeout_s})
+    client = sentinel.master_for(target.service, redis_class=aioredis.Redis, db=target.db,
+                                 username=target.username, password=target.password,
+                                 retry_on_timeout=False, **common)
+    return client, list(sentinel.sentinels)
 
 
 class RedisState(StateBackend):
@@ -83,26 +145,20 @@ class RedisState(StateBackend):
                  metrics: GatewayMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
-        self.prefix = prefix
+        self.target = parse_url(url)
+        self.prefix = check_prefix(prefix)
         self.spec = spec or StateSpec()
         self.metrics = metrics
         self.clock = clock
         self.timeout_s = self.spec.timeout_s
         self.breaker = Breaker(self.spec.probe_interval_s, clock, self._on_breaker)
-        # No hidden retry of a timeout (the breaker decides what a timeout means), and the
-        # socket timeouts only back up the per-call deadline that _call sets.
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-            retry_on_timeout=False, health_check_interval=5, max_connections=256,
-            # A pooled connection to a Redis that restarted fails its next command; one
-            # reconnect keeps that release (or reserve) from being lost to a dead socket.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            retry_on_error=[RedisConnectionError])
+        self.client, self._sentinels = make_client(self.target, self.timeout_s)
         self._reserve = self.client.register_script(_script("reserve.lua", with_purge=True))
         self._release = self.client.register_script(_script("release.lua"))
         self._refresh = self.client.register_script(_script("refresh.lua"))
         self._usage = self.client.register_script(_script("usage.lua", with_purge=True))
         self._bucket = self.client.register_script(_script("bucket.lua"))
+        self._heartbeat = self.client.register_script(_script("heartbeat.lua"))
         self._seen: dict[str, tuple[int, float]] = {}  # bucket key -> (level, when: clock)
         # Leases to release at the next answer: their reserve may have run unseen (it timed
         # out), or their release failed.
@@ -129,7 +185,7 @@ class RedisState(StateBackend):
                 from exc
         except MaxConnectionsError as exc:  # our own pool is full: says nothing of Redis
             raise NotSent(f"redis: {exc}") from exc
-        except (RedisConnectionError, OSError) as exc:
+        except (RedisConnectionError, OSError, *UNAVAILABLE) as exc:
             self.breaker.failed()
             raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
         except RedisError as exc:  # an error reply: Redis is there
@@ -155,11 +211,11 @@ class RedisState(StateBackend):
         # The outage's start and end; the probes in between (one per interval) only at debug.
         if old == CLOSED:
             log.warning("state backend %s: no answer; circuit open, calls fail at once (the "
-                        "fail mode applies), one probes every %g s", _safe(self.url),
+                        "fail mode applies), one probes every %g s", safe(self.url),
                         self.spec.probe_interval_s)
         elif new == CLOSED:
             log.warning("state backend %s: answers again after %.1f s; circuit closed",
-                        _safe(self.url), self.clock() - self.breaker.outage_since)
+                        safe(self.url), self.clock() - self.breaker.outage_since)
         else:
             log.debug("state backend: circuit %s -> %s", NAMES[old], NAMES[new])
 
@@ -244,7 +300,7 @@ class RedisState(StateBackend):
         seen = self._seen.get(bucket.key)
         seed = ["", 0] if seen is None else [seen[0], int((self.clock() - seen[1]) * 1000)]
         ok, remaining, reset_ms = await self._call("quota", lambda: self._bucket(
-            keys=[f"{self.prefix}:quota:{{{bucket.key}}}"],
+            keys=[bucket_key(bucket.key, self.prefix)],
             args=[amount, bucket.capacity, repr(bucket.refill_per_s), op, *seed]))
         self._seen[bucket.key] = (int(remaining), self.clock())
         return BucketResult(bool(ok), int(remaining), int(reset_ms) / 1000)
@@ -258,35 +314,17 @@ class RedisState(StateBackend):
         return None if raw is None else _text(raw)
 
     async def heartbeat(self, replica_id: str, ttl_s: float) -> int:
-        key = f"{self.prefix}:replicas"
-
-        async def beat() -> int:
-            now = await self.client.time()
-            now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {replica_id: now_ms + int(ttl_s * 1000)})
-                pipe.zremrangebyscore(key, "-inf", now_ms)
-                pipe.zcard(key)
-                results = await pipe.execute()
-            return int(results[-1])
-
-        return max(1, await self._call("refresh", beat))
+        alive = await self._call("refresh", lambda: self._heartbeat(
+            keys=[replicas_key(self.prefix)], args=[replica_id, int(ttl_s * 1000)]))
+        return max(1, int(alive))
 
     async def close(self) -> None:
         if self._flush is not None:
             self._flush.cancel()
             await asyncio.gather(self._flush, return_exceptions=True)
         await self.client.aclose()
-
-
-def _safe(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
+        for sentinel in self._sentinels:
+            await sentinel.aclose()
 
 
 def _text(value: Any) -> str:
