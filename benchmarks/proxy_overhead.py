@@ -78,6 +78,7 @@ models:
         url: {engine}
 server:
   stage_metrics: {stages}
+  inline_tokenize_chars: {inline}
 """
 # The gateway as users run it: the model's exact tokenizer and chat template, admission in its
 # default mode over the model's KV ledger, the access log on; and the floor, tokenizer `none`.
@@ -801,7 +802,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--targets", default="gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway (tokenizer none: the floor), "
                         "shipped (exact tokenizer and template, admission, access log), "
-                        "shipped-nostages (the same without the stage histogram), aiohttp, httpx")
+                        "shipped-nostages (the same without the stage histogram), "
+                        "shipped-noinline (every prompt counted in a worker thread), aiohttp, "
+                        "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
                    help="info keeps the access log on, as deployed (it goes to a file)")
@@ -873,11 +876,13 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages in (("floor", FLOOR, "true"), ("shipped", SHIPPED, "true"),
-                                     ("shipped-nostages", SHIPPED, "false")):
+        for kind, fields, stages, inline in (
+                ("floor", FLOOR, "true", 512), ("shipped", SHIPPED, "true", 512),
+                ("shipped-nostages", SHIPPED, "false", 512),
+                ("shipped-noinline", SHIPPED, "true", 0)):
             policies[kind] = work / f"policy-{kind}.yaml"
             policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url,
-                                                    stages=stages, **fields))
+                                                    stages=stages, inline=inline, **fields))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
@@ -887,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
 
         start_gc_gateway = None
         for name in wanted:
-            if name in ("shipped", "shipped-nostages"):
+            if name in ("shipped", "shipped-nostages", "shipped-noinline"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
             elif name == "gateway":

@@ -262,6 +262,7 @@ class GatewayApp:
                                        policy.server.max_prompt_chars)
                 self._counters[m.name] = (m.tokenizer, counter)
             counter.max_prompt_chars = policy.server.max_prompt_chars
+            counter.inline_chars = policy.server.inline_tokenize_chars
             out[m.name] = counter
         return out
 

@@ -69,9 +69,12 @@ def make_session(policy: Policy) -> aiohttp.ClientSession:
 
 def load_counters(policy: Policy) -> dict[str, TokenCounter]:
     """One counter per model; a tokenizer that cannot load stops start-up, naming the model."""
-    return {m.name: TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template),
-                                 policy.server.max_prompt_chars)
-            for m in policy.models}
+    out = {m.name: TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template),
+                                policy.server.max_prompt_chars)
+           for m in policy.models}
+    for counter in out.values():
+        counter.inline_chars = policy.server.inline_tokenize_chars
+    return out
 
 
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,

@@ -295,6 +295,9 @@ class ServerSpec(Strict):
     # gateway_request_stage_seconds: each request's time in each stage (a few observations per
     # request; off only to measure what they cost).
     stage_metrics: bool = True
+    # Prompts shorter than this (characters) are counted on the event loop, not in a worker
+    # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 0: never.
+    inline_tokenize_chars: Annotated[int, Field(ge=0)] = 512
 
 
 Priority = Literal["critical", "standard", "sheddable"]
