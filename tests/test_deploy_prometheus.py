@@ -1,11 +1,15 @@
 """The dashboards and alerts, proven against a real Prometheus (Debian's package).
 
 Prometheus scrapes two gateway replicas (sharing a Redis) and three simulated engines on
-loopback every second, with deploy/prometheus/alerts.yml loaded. A short load drives the
-engines into queueing and rejections, and one tenant over its token quota; then one engine
-first fails and is then killed, Redis is killed, and one replica is sent a broken policy to
-reload. Every dashboard panel's query must then parse and return data, every rule must parse
-and evaluate, and the alerts for what broke must match.
+loopback every second, with deploy/prometheus/alerts.yml loaded, and three static engine pages
+the simulator does not make: SGLang's names (two DP groups of two TP ranks), a vLLM before 0.9
+(the old KV-usage name alone), and an engine whose KV-usage series is gone. A short load
+drives the engines into queueing and rejections, and one tenant over its token quota; then one
+engine first fails and is then killed, Redis is killed, and one replica is sent a broken policy
+to reload. Every dashboard panel's query must then parse and return data (the engine panels for
+every engine kind), every rule must parse and evaluate, the alerts for what broke must match
+and no others, the renamed gateway metrics' old names must still be served with the same
+samples, and the prometheus-adapter rule behind the Kubernetes autoscaler must find its series.
 
 prometheus and promtool are installed with apt-get when missing and the suite runs as root;
 otherwise the test fails saying how to get them. It never skips.
@@ -23,10 +27,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.observe.metrics import DEPRECATED_NAMES
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     ROOT,
@@ -50,6 +58,7 @@ from tests.servers import (
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "gateway.json"
+ADAPTER = ROOT / "deploy" / "k8s" / "prometheus-adapter-values.yaml"
 # What Grafana would put in the queries: all pools, and a rate window over the whole test.
 GRAFANA_VARS = {"$pool": ".*", "$__rate_interval": "1m"}
 SMALL_ENGINE = ("--num-gpu-blocks", "64", "--block-size", "16")
@@ -137,8 +146,12 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names(url: str) -> set[str]:
     """Every series name a /metrics page declares, even families with no samples yet."""
+    return declared_names(http("GET", url + "/metrics").body.decode())
+
+
+def declared_names(page: str) -> set[str]:
     names: set[str] = set()
-    for family in text_string_to_metric_families(http("GET", url + "/metrics").body.decode()):
+    for family in text_string_to_metric_families(page):
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))
         names.update(family.name + s for s in suffixes)
@@ -152,26 +165,110 @@ def test_metric_names_are_read_as_expected() -> None:
     assert metric_names('up{job="engines"} == 1 unless on (pool, backend) '
                         'vllm:kv_cache_usage_perc') == {"up", "vllm:kv_cache_usage_perc"}
     assert metric_names('label_replace(vector(10), "pool", "long", "", "") or on (pool) '
-                        "(0 * max by (pool) (gateway_kv_blocks_capacity) + 2)") \
-        == {"gateway_kv_blocks_capacity"}
+                        "(0 * max by (pool) (gateway_kv_capacity_blocks) + 2)") \
+        == {"gateway_kv_capacity_blocks"}
+    assert metric_names('sum by (pool, backend) (max by (pool, backend, dp_rank) '
+                        '(rate(sglang:num_retracted_requests_total{job="engines"}[1m])))') \
+        == {"sglang:num_retracted_requests_total"}
+
+
+# --- engines the simulator is not ---------------------------------------------------------
+
+
+def engine_page(families: list[tuple[str, str, list[tuple[dict[str, str], float]]]]) -> str:
+    """Prometheus text as prometheus_client writes it (counters named with `_total`)."""
+    lines = []
+    for name, kind, samples in families:
+        full = name + "_total" if kind == "counter" else name
+        lines += [f"# HELP {full} {name}.", f"# TYPE {full} {kind}"]
+        for labels, value in samples:
+            text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(f"{full}{{{text}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+def sglang_ranks(per_group: dict[str, float]) -> list[tuple[dict[str, str], float]]:
+    """One series per scheduler: two DP groups, each of two TP ranks reporting the group's
+    value (--enable-metrics-for-all-schedulers), as SGLang labels them."""
+    return [({"model_name": "m", "engine_type": "unified", "tp_rank": tp, "pp_rank": "0",
+              "dp_rank": dp, "moe_ep_rank": "0"}, per_group[dp])
+            for dp in ("0", "1") for tp in ("0", "1")]
+
+
+# SGLang (python/sglang/srt/metrics/collector.py): its names, ranks per DP group. What the
+# panels must read: waiting 3 + 2 (not 10: TP ranks repeat their group's), running 4 + 2, the
+# fullest rank's usage 0.4.
+SGLANG_PAGE = engine_page([
+    ("sglang:num_running_reqs", "gauge", sglang_ranks({"0": 4, "1": 2})),
+    ("sglang:num_queue_reqs", "gauge", sglang_ranks({"0": 3, "1": 2})),
+    ("sglang:token_usage", "gauge", sglang_ranks({"0": 0.4, "1": 0.2})),
+    ("sglang:max_total_num_tokens", "gauge", sglang_ranks({"0": 100000, "1": 100000})),
+    ("sglang:num_retracted_requests", "counter", sglang_ranks({"0": 7, "1": 0}))])
+SGLANG_WANT = {"sglang:num_queue_reqs": 5.0, "sglang:num_running_reqs": 6.0,
+               "sglang:token_usage": 0.4}
+# vLLM before 0.9 (V0, 0.8): the KV-usage gauge under its old name alone.
+VLLM_OLD_PAGE = engine_page([
+    (f"vllm:{name}", "gauge", [({"model_name": "m"}, value)]) for name, value in (
+        ("num_requests_running", 1), ("num_requests_waiting", 0),
+        ("gpu_cache_usage_perc", 0.3))] + [
+    ("vllm:num_preemptions", "counter", [({"model_name": "m"}, 0)])])
+# An engine that answers, its KV usage gone (a rename admission does not know yet).
+NO_KV_PAGE = engine_page([
+    (f"vllm:{name}", "gauge", [({"model_name": "m"}, 0)])
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")])
+STATIC_ENGINES = {"sg-0": SGLANG_PAGE, "vllm-old-0": VLLM_OLD_PAGE, "no-kv-0": NO_KV_PAGE}
+
+
+@contextlib.contextmanager
+def static_pages(pages: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A loopback server for each page, serving it at any path; name -> its host:port."""
+    servers = {}
+    for name, page in pages.items():
+        body = page.encode()
+
+        class Page(BaseHTTPRequestHandler):
+            def do_GET(self, body: bytes = body) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers[name] = server
+    try:
+        yield {name: f"127.0.0.1:{srv.server_address[1]}" for name, srv in servers.items()}
+    finally:
+        for srv in servers.values():
+            srv.shutdown()
+            srv.server_close()
 
 
 # --- servers ------------------------------------------------------------------------------
 
 
 def prometheus_config(tmp_path: Path, gateways: list[Server],
-                      engines: dict[tuple[str, str], Server]) -> Path:
-    """deploy/prometheus/prometheus.yml with loopback targets and a 1 s cadence."""
+                      engines: dict[tuple[str, str], Server], static: dict[str, str]) -> Path:
+    """deploy/prometheus/prometheus.yml with loopback targets and a 1 s cadence; the gateways
+    labelled with a namespace and pod as a ServiceMonitor's scrape labels them in Kubernetes
+    (for the prometheus-adapter rule)."""
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s",
                         "evaluation_interval": "1s"}
     config["rule_files"] = [str(PROM_DIR / f) for f in config["rule_files"]]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     jobs["gateway"]["static_configs"] = [
-        {"targets": [f"127.0.0.1:{gw.port}" for gw in gateways]}]
+        {"targets": [f"127.0.0.1:{gw.port}"], "labels": {"namespace": "llm", "pod": f"gw-{i}"}}
+        for i, gw in enumerate(gateways)]
     jobs["engines"]["static_configs"] = [
         {"targets": [f"127.0.0.1:{sim.port}"], "labels": {"pool": pool, "backend": backend}}
-        for (pool, backend), sim in engines.items()]
+        for (pool, backend), sim in engines.items()] + [
+        {"targets": [address], "labels": {"pool": "default", "backend": backend}}
+        for backend, address in static.items()]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -288,7 +385,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
                                                       redis.url, "--state-prefix", prefix))
                     for _ in range(2)]
         engines = {("default", "e0"): e0, ("default", "e1"): e1, ("long", "long-0"): long0}
-        config = prometheus_config(tmp_path, gateways, engines)
+        static = stack.enter_context(static_pages(STATIC_ENGINES))
+        config = prometheus_config(tmp_path, gateways, engines, static)
         prom = stack.enter_context(run_server(
             [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              "--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
@@ -297,7 +395,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         # Names first: every metric a panel or rule reads is one the gateway or an engine
         # exports, Prometheus's own `up`, or a recording rule of ours.
         recorded = {r["record"] for r in rules() if "record" in r}
-        known = exported_names(gateways[0].url) | exported_names(e0.url) | {"up"} | recorded
+        known = (exported_names(gateways[0].url) | exported_names(e0.url) | {"up"} | recorded
+                 | {n for page in STATIC_ENGINES.values() for n in declared_names(page)})
         for title, expr in dashboard_queries():
             unknown = metric_names(expr) - known
             assert not unknown, f"panel {title!r} reads metrics nobody exports: {unknown}"
@@ -330,6 +429,10 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
                     result="ok")
 
         samples = [scrape(gw.url) for gw in gateways]
+        for gw in gateways:
+            page = http("GET", gw.url + "/metrics").body.decode()
+            assert_deprecated_aliases(page)
+            assert "_created" not in page  # prometheus_client's, switched off
         total = {what: sum(metric(s, name, **labels) for s in samples)
                  for what, name, labels in (
                      ("queued", "gateway_admission_decisions_total", {"decision": "queued"}),
@@ -344,6 +447,8 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         assert outcomes.get("503") and outcomes.get("429"), outcomes
 
         wait_for(prom, 'up{job="engines", backend="e1"} == 0', "e1 down")
+        for backend in STATIC_ENGINES:
+            wait_for(prom, f'up{{job="engines", backend="{backend}"}} == 1', backend)
         # The series exist from 0, so wait for errors counted by both replicas.
         wait_for(prom, "count(sum by (instance) (gateway_state_errors_total) > 0) == 2",
                  "state errors on both replicas")
@@ -360,8 +465,35 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
             if not any(math.isfinite(float(r["value"][1])) for r in result):
                 empty.append(f"{title}: {expr} -> {result}")
         assert not empty, "panels without data:\n" + "\n".join(empty)
-        pools = series(prom, "group by (pool) (gateway_kv_blocks_capacity)")
-        assert {r["metric"]["pool"] for r in pools} == {"default", "long"}  # $pool's values
+        # $pool's values, by the variable's own query.
+        (pool_var,) = [v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
+                       if v["name"] == "pool"]
+        over = re.fullmatch(r"label_values\((\w+), pool\)", pool_var["definition"])
+        assert over, pool_var["definition"]
+        pools = series(prom, f"group by (pool) ({over.group(1)})")
+        assert {r["metric"]["pool"] for r in pools} == {"default", "long"}
+
+        # Engine panels: every engine kind, each read as the gateway reads it.
+        engine_queries = [(t, e) for t, e in dashboard_queries() if "vllm:" in e]
+        assert len(engine_queries) == 4, engine_queries
+        for title, expr in engine_queries:
+            assert "sglang:" in expr, f"{title}: vLLM's names only: {expr}"
+            got = {r["metric"]["backend"]: float(r["value"][1]) for r in series(prom, expr)}
+            assert {"e0", "long-0", "sg-0", "vllm-old-0"} <= set(got), (title, expr, got)
+            for name, want in SGLANG_WANT.items():
+                if name in expr:
+                    assert got["sg-0"] == want, (title, expr, got)
+        usage = next(e for _, e in engine_queries if "gpu_cache_usage_perc" in e)
+        assert {r["metric"]["backend"]: float(r["value"][1]) for r in series(prom, usage)
+                if r["metric"]["backend"] == "vllm-old-0"} == {"vllm-old-0": 0.3}
+
+        # Money panels keep the currency, so no two currencies are added up.
+        for title, expr in dashboard_queries():
+            if re.search(r"gateway_(cost|tenant_cost)_", expr):
+                assert all(r["metric"].get("currency") == "USD" for r in series(prom, expr)), \
+                    (title, expr)
+
+        check_adapter_rule(prom, [f"gw-{i}" for i in range(len(gateways))])
 
         # Every rule: parses, and Prometheus itself evaluates it without error.
         for rule in rules():
@@ -394,10 +526,112 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
                 series(prom, alerts["GatewayPolicyReloadFailed"])] == [f"127.0.0.1:{gw0.port}"]
         assert not series(prom, alerts["GatewayPoolWithoutBackends"])
         assert not series(prom, alerts["GatewayReplicaDown"])
-        assert not series(prom, alerts["EngineMetricsMissing"])
+        # Only the engine without any KV-usage name: not SGLang's, not an old vLLM's (a
+        # vLLM-only rule matched both of them for ever).
+        assert [r["metric"]["backend"] for r in series(prom, alerts["EngineMetricsMissing"])] \
+            == ["no-kv-0"]
+        vllm_only = 'up{job="engines"} == 1 unless on (pool, backend) vllm:kv_cache_usage_perc'
+        assert sorted(r["metric"]["backend"] for r in series(prom, vllm_only)) \
+            == ["no-kv-0", "sg-0", "vllm-old-0"]
         # The SLO alerts compare against the policy's targets: with the threshold at 0 they
         # match every pool that has a target and traffic, and only those (`long` has none).
         for name in ("GatewayTTFTOverSLO", "GatewayTPOTOverSLO"):
             assert "> on (pool) max by (pool) (gateway_slo_target_seconds" in alerts[name]
             at_zero = alerts[name].replace("> on (pool)", "> on (pool) 0 *")
             assert [r["metric"]["pool"] for r in series(prom, at_zero)] == ["default"], name
+        checked = {"GatewayBackendDown", "EngineMetricsStale", "GatewayStateBackendErrors",
+                   "GatewayStateBackendDown", "GatewaySustainedRejections",
+                   "GatewayPolicyReloadFailed", "GatewayPoolWithoutBackends",
+                   "GatewayReplicaDown", "EngineMetricsMissing", "GatewayTTFTOverSLO",
+                   "GatewayTPOTOverSLO"}
+        assert set(alerts) == checked, f"say whether these should match: {set(alerts) - checked}"
+
+
+def assert_deprecated_aliases(page: str) -> None:
+    """Each renamed metric's old name is served beside the new one for a release: the same
+    samples, its HELP saying what to use instead."""
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    for new, old in DEPRECATED_NAMES.items():
+        assert families[old].documentation.startswith(f"Deprecated: use {new}."), old
+        assert families[old].type == families[new].type
+        assert sorted((tuple(sorted(s.labels.items())), s.value)
+                      for s in families[old].samples) == \
+            sorted((tuple(sorted(s.labels.items())), s.value) for s in families[new].samples)
+    assert families["gateway_kv_capacity_blocks"].samples, "no samples to compare"
+
+
+def check_adapter_rule(prom: Server, pods: list[str]) -> None:
+    """prometheus-adapter's rule for the autoscaler, as the adapter runs it: its seriesQuery
+    finds the gateways' series, and its metricsQuery, with the templates filled in the way
+    the adapter fills them for the HPA's pods, gives one value per pod."""
+    (rule,) = yaml.safe_load(ADAPTER.read_text())["rules"]["custom"]
+    url = prom.url + "/api/v1/series?" + urllib.parse.urlencode({"match[]": rule["seriesQuery"]})
+    found = http("GET", url).json()["data"]
+    assert {s["pod"] for s in found} == set(pods), found
+    assert {s["__name__"] for s in found} == {rule["name"]["as"]}
+    expr = (rule["metricsQuery"].replace("<<.Series>>", rule["name"]["as"])
+            .replace("<<.LabelMatchers>>", f'namespace="llm",pod=~"{"|".join(pods)}"')
+            .replace("<<.GroupBy>>", "pod"))
+    got = series(prom, expr)
+    assert sorted(r["metric"]["pod"] for r in got) == sorted(pods), (expr, got)
+    assert all(math.isfinite(float(r["value"][1])) for r in got)
+
+
+def test_money_carries_the_pools_currency() -> None:
+    """The cost panels group by `currency`: each money series has the pool's `cost.currency`
+    (callers pass the other labels only), and a reload that reprices a pool in another
+    currency drops its series in the old one, which would otherwise stay beside the new."""
+    from gateway.observe.accounting import Accountant
+    from gateway.observe.metrics import GatewayMetrics
+    from gateway.policy import parse_policy
+
+    def priced(currency: str) -> str:
+        return policy_yaml(["http://127.0.0.1:9"], pool_extra="    cost: {gpu_hour: 2.0, "
+                           f"currency: {currency}}}\n", long_backends=["http://127.0.0.1:9"])
+
+    def money(m: GatewayMetrics) -> dict[tuple[str, str], set[str]]:
+        out: dict[tuple[str, str], set[str]] = {}
+        for family in m.registry.collect():
+            for sample in family.samples:
+                if "currency" in sample.labels:
+                    out.setdefault((sample.name, sample.labels["pool"]), set()).add(
+                        sample.labels["currency"])
+        return out
+
+    m = GatewayMetrics()
+    eur = parse_policy(priced("EUR"))
+    m.publish_policy(eur)
+    Accountant(eur, m)
+    m.tenant_cost.labels("t", "default").inc(1.5)
+    m.tenant_cost.labels("t", "long").inc(0)  # a pool without `cost`: the default currency
+    assert money(m) == {("gateway_cost_per_hour", "default"): {"EUR"},
+                        ("gateway_tenant_cost_total", "default"): {"EUR"},
+                        ("gateway_tenant_cost_total", "long"): {"USD"}}
+    usd = parse_policy(priced("USD"))
+    m.publish_policy(usd)
+    Accountant(usd, m)
+    assert money(m) == {("gateway_cost_per_hour", "default"): {"USD"},
+                        ("gateway_tenant_cost_total", "long"): {"USD"}}
+
+
+def test_deprecated_aliases_under_workers(tmp_path: Path) -> None:
+    """Under `--workers N` /metrics renders the merged multiprocess files, not the app's own
+    registry: the old names must be served there too. A fresh interpreter, because
+    prometheus_client picks its multiprocess value class at import."""
+    script = (
+        "from prometheus_client import generate_latest\n"
+        "from gateway.observe.metrics import GatewayMetrics, exposition_registry\n"
+        "m = GatewayMetrics()\n"
+        "m.kv_blocks_capacity.labels('default', 'e0').set(64)\n"
+        "m.queue_depth.labels('default', 'normal').set(2)\n"
+        "m.prefill_tokens_pending.labels('default', 'e0').set(10)\n"
+        "m.kv_blocks_reserved.labels('default', 'e0').set(5)\n"
+        "registry = exposition_registry(m.registry)\n"
+        "assert registry is not m.registry, 'not the merged files'\n"
+        "print(generate_latest(registry).decode())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT,
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.glob("gauge_live*.db")), "no worker files merged"
+    assert_deprecated_aliases(out.stdout)

@@ -3,7 +3,11 @@
 Names follow the Prometheus guide: one `gateway_` prefix, base units as suffixes, labels only
 from bounded sets (pool, backend, model and tenant names come from the policy; status codes and
 error kinds from fixed lists), never a request id or prompt. Latency buckets reach minutes
-because long generations and queueing under overload do.
+because long generations and queueing under overload do. Money carries its currency as a
+label, the pool's `cost.currency`: the policy prices each pool in its own, so a name fixed in
+code (`_usd`) would be wrong for a pool priced in EUR, and a name made from the policy would
+change under the dashboards on a reload. Renamed metrics keep their old names for one release
+(`DEPRECATED_NAMES`), copied at scrape time.
 
 Each app gets its own registry, so several gateways can run in one process (tests) and the
 label children used on the hot path are bound once and cached. Under `gateway serve
@@ -15,11 +19,28 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    multiprocess,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-from gateway.policy.model import Policy
+from gateway.policy.model import Policy, PricingSpec
+
+# No `<name>_created` series beside every counter and histogram: one more sample per label
+# set (about a sixth of a busy page's samples) that no panel or rule reads; vLLM turns them
+# off too. Process-wide, and read at each scrape, so it holds for every registry;
+# PROMETHEUS_DISABLE_CREATED_SERIES=true is the same switch for a process that never imports
+# this module.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0, 300.0, 600.0)
@@ -31,6 +52,16 @@ STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "disconnect", "protocol")
+
+# New name -> the old one, still exported for one release with the same samples and the HELP
+# "Deprecated: use <new>." (docs/metrics.md, "Renamed metrics"). Remove after the next release.
+DEPRECATED_NAMES = {
+    "gateway_queue_requests": "gateway_queue_depth",
+    "gateway_kv_reserved_blocks": "gateway_kv_blocks_reserved",
+    "gateway_kv_capacity_blocks": "gateway_kv_blocks_capacity",
+    "gateway_prefill_pending_tokens": "gateway_prefill_tokens_pending",
+}
+DEFAULT_CURRENCY: str = PricingSpec.model_fields["currency"].default  # a pool without `cost`
 
 
 class GatewayMetrics:
@@ -82,21 +113,21 @@ class GatewayMetrics:
             "Admission decisions: admitted (at once), queued (admitted after waiting), "
             "rejected; with the reason.", ["pool", "decision", "reason"], registry=r)
         self.queue_depth = Gauge(
-            "gateway_queue_depth", "Requests waiting for admission.", ["pool", "priority"],
+            "gateway_queue_requests", "Requests waiting for admission.", ["pool", "priority"],
             registry=r, multiprocess_mode="livesum")
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time admitted requests spent in the queue.",
             ["pool"], buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks_reserved = Gauge(
-            "gateway_kv_blocks_reserved", "KV blocks reserved by in-flight requests "
+            "gateway_kv_reserved_blocks", "KV blocks reserved by in-flight requests "
             "(all replicas sharing the state backend).", ["pool", "backend"], registry=r,
             multiprocess_mode="livemostrecent")
         self.prefill_tokens_pending = Gauge(
-            "gateway_prefill_tokens_pending", "Prompt tokens this replica sent to the backend "
+            "gateway_prefill_pending_tokens", "Prompt tokens this replica sent to the backend "
             "that still await their first token: the engine's prefill backlog.",
             ["pool", "backend"], registry=r, multiprocess_mode="livesum")
         self.kv_blocks_capacity = Gauge(
-            "gateway_kv_blocks_capacity", "KV blocks of the backend: from the engine's "
+            "gateway_kv_capacity_blocks", "KV blocks of the backend: from the engine's "
             "vllm:cache_config_info, else the policy, else the planner's ledger.",
             ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
         self.kv_overbook = Gauge(
@@ -147,16 +178,20 @@ class GatewayMetrics:
             "gateway_tokens_total", "Tokens by the engines' usage: input (prompt computed), "
             "cached (prompt from the prefix cache), output.", ["pool", "tenant", "kind"],
             registry=r)
-        self.cost_per_hour = Gauge(
-            "gateway_cost_per_hour", "What the pool's GPUs cost per hour (policy cost model).",
-            ["pool"], registry=r, multiprocess_mode="livemax")
-        self.cost_per_million = Gauge(
+        # Money: in the pool's `cost.currency` (label `currency`), appended by `_InCurrency`.
+        self._currencies: dict[str, str] = {}
+        self.cost_per_hour = _InCurrency(Gauge(
+            "gateway_cost_per_hour", "What the pool's GPUs cost per hour (policy cost model), "
+            "in `currency`.", ["pool", "currency"], registry=r, multiprocess_mode="livemax"),
+            ("pool",), self._currencies)
+        self.cost_per_million = _InCurrency(Gauge(
             "gateway_cost_per_million_tokens", "Cost per million input or output tokens over "
-            "the pool's cost window.", ["pool", "kind"], registry=r,
-            multiprocess_mode="livemostrecent")
-        self.tenant_cost = Counter(
+            "the pool's cost window, in `currency`.", ["pool", "kind", "currency"], registry=r,
+            multiprocess_mode="livemostrecent"), ("pool", "kind"), self._currencies)
+        self.tenant_cost = _InCurrency(Counter(
             "gateway_tenant_cost_total", "Spend attributed to tenants: their tokens at the "
-            "pool's current prices.", ["tenant", "pool"], registry=r)
+            "pool's current prices, in `currency`.", ["tenant", "pool", "currency"],
+            registry=r), ("tenant", "pool"), self._currencies)
         self.token_estimate_error = Histogram(
             "gateway_token_estimate_error_ratio",
             "Relative error of prompt-token estimates for models with tokenizer `none` "
@@ -165,11 +200,21 @@ class GatewayMetrics:
         for op in ("reserve", "release", "refresh", "usage", "quota"):
             self.state_errors.labels(op)  # from 0, so a single error is an increase
             self.state_timeouts.labels(op)
+        renamed = [self.queue_depth, self.kv_blocks_reserved, self.kv_blocks_capacity,
+                   self.prefill_tokens_pending]
+        r.register(DeprecatedAliases(lambda: (f for m in renamed for f in m.collect())))
         self._children: dict[tuple[str, ...], Any] = {}
 
     def publish_policy(self, policy: Policy) -> None:
-        """Targets and quotas from the policy in force, as gauges dashboards can draw."""
+        """Targets, quotas and currencies from the policy in force, as gauges dashboards can
+        draw."""
         for name, pool in policy.pools.items():
+            currency = pool.cost.currency if pool.cost is not None else DEFAULT_CURRENCY
+            old = self._currencies.get(name, currency)
+            self._currencies[name] = currency
+            if old != currency:  # a reload repriced the pool: its old amounts are not in it
+                for money in (self.cost_per_hour, self.cost_per_million, self.tenant_cost):
+                    money.remove_pool(name, old)
             for kind, value in (("ttft_p99", pool.admission.ttft_p99_max_s),
                                 ("tpot_p99", pool.admission.tpot_p99_max_s)):
                 if value is not None:
@@ -218,9 +263,65 @@ class GatewayMetrics:
             gc.callbacks.remove(cb)
 
 
+class _InCurrency:
+    """A money metric with a last label `currency`, filled in from the pool's `cost.currency`:
+    callers pass the other labels (`labels(pool)`, `labels(tenant, pool)`) as before, and every
+    amount says what it is counted in. One dict lookup more per call, made per request or per
+    price update, never per chunk."""
+
+    def __init__(self, metric: Gauge | Counter, labelnames: tuple[str, ...],
+                 currencies: dict[str, str]) -> None:
+        self.metric = metric
+        self._labelnames = labelnames
+        self._pool = labelnames.index("pool")
+        self._currencies = currencies
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(*values,
+                                  self._currencies.get(values[self._pool], DEFAULT_CURRENCY))
+
+    def remove_pool(self, pool: str, currency: str) -> None:
+        """Drop the pool's series in `currency`. Not under --workers: prometheus_client cannot
+        remove a series from the workers' files (it warns), which keep it until they restart."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return
+        stale = {tuple(s.labels[n] for n in self._labelnames)
+                 for family in self.metric.collect() for s in family.samples
+                 if s.labels.get("pool") == pool and s.labels.get("currency") == currency}
+        for values in stale:
+            self.metric.remove(*values, currency)
+
+
+class DeprecatedAliases(Collector):
+    """The old name of each renamed metric (`DEPRECATED_NAMES`), its samples copied from the
+    new family at scrape time: nothing on the request path writes twice, and an alias cannot
+    drift from its metric. `passthrough` also yields the source's own families (the merged
+    multiprocess collector, which is the only collector of its registry)."""
+
+    def __init__(self, source: Callable[[], Iterable[Metric]], passthrough: bool = False) -> None:
+        self.source = source
+        self.passthrough = passthrough
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(old, "", "gauge") for old in DEPRECATED_NAMES.values()]
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.source():
+            if self.passthrough:
+                yield family
+            old = DEPRECATED_NAMES.get(family.name)
+            if old is not None:
+                alias = Metric(old, f"Deprecated: use {family.name}. {family.documentation}",
+                               family.type)
+                alias.samples = [s._replace(name=old + s.name[len(family.name):])
+                                 for s in family.samples]
+                yield alias
+
+
 def exposition_registry(own: CollectorRegistry) -> CollectorRegistry:
     """What `/metrics` renders: this app's registry, or under `gateway serve --workers N`
-    (PROMETHEUS_MULTIPROC_DIR set) every worker's samples merged from their files."""
+    (PROMETHEUS_MULTIPROC_DIR set) every worker's samples merged from their files, with the
+    deprecated aliases added to the merge."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         return own
@@ -232,7 +333,8 @@ def exposition_registry(own: CollectorRegistry) -> CollectorRegistry:
             if not _alive(pid):
                 multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+    merged = multiprocess.MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
+    registry.register(DeprecatedAliases(merged.collect, passthrough=True))
     return registry
 
 
