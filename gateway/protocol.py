@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.cost.templates import request_template_kwargs
 from gateway.errors import InvalidRequest, RateWindow
 
 
@@ -275,8 +276,6 @@ def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
     `chat_template_kwargs` (refused where they would set what we set) under the request's
     own `add_generation_prompt`, `continue_final_message`, `documents` and `reasoning_effort`
     (gateway.cost.templates.request_template_kwargs says how vLLM merges them)."""
-    from gateway.cost.templates import request_template_kwargs
-
     kwargs = data.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway import profiles
+from gateway.cost.templates import BUILTIN_TEMPLATES
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 Name = Annotated[str, Field(pattern=NAME_RE, max_length=64)]
@@ -108,8 +109,6 @@ class ModelSpec(Strict):
     @classmethod
     def _chat_template(cls, value: str | None) -> str | None:
         # A name typo is caught here; a path is read when the tokenizer loads (as `tokenizer`).
-        from gateway.cost.templates import BUILTIN_TEMPLATES
-
         if value is None or value in BUILTIN_TEMPLATES or "/" in value \
                 or value.endswith((".jinja", ".json")):
             return value
