@@ -145,15 +145,19 @@ class Prepared:
     route: Route
     work: Work
     held: Held | None = None  # the stored response it continues, and where it lives
+    read_at: float = 0.0  # loop time the body was read: the gateway's own work starts here
 
-    def ask(self) -> Ask:
+    def ask(self, now: float | None = None) -> Ask:
+        """What admission is asked; `now` (loop time): the time since the body was read (the
+        gateway's reading of it, counting, waiting for the tokenizer) counts as time waited."""
         t = self.caller.tenant
         return Ask(self.route.pool, self.work.blocks, self.work.tokens,
                    priority=self.caller.priority, caller=t.name,
                    deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
                    tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
                    prompt_tokens=self.prompt.tokens,
-                   backend=self.held.backend if self.held else None)
+                   backend=self.held.backend if self.held else None,
+                   waited_s=0.0 if now is None else max(0.0, now - self.read_at))
 
 
 # --- the pipeline -------------------------------------------------------------------------------
@@ -237,6 +241,7 @@ class Pipeline:
         lap = self._lap if timed and self._timed else _no_lap
         caller = self.identify(inbound.headers)
         body = await self.read(client)
+        read_at = self.loop_time()
         if on_read is not None:
             on_read()
         t = lap("read", inbound.arrival)
@@ -252,7 +257,8 @@ class Pipeline:
             route = Route(model, held.pool)  # the conversation lives there
         work = self.estimate(model, route, prompt, parsed)
         lap("route", t)
-        return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held)
+        return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held,
+                        read_at)
 
     def _lap(self, stage: str, since: float) -> float:
         now = self.loop_time()
@@ -283,7 +289,7 @@ class Pipeline:
             "reserve_blocks": p.work.blocks,
             "reserve_tokens": p.work.tokens,
             "cost": p.work.cost.to_dict(),
-            "decision": self.rt.admission.preview(p.ask()),
+            "decision": self.rt.admission.preview(p.ask(self.loop_time())),
         }
 
     # serve: quota -> admit -> forward -> observe -> release -----------------------------------
@@ -306,7 +312,7 @@ class Pipeline:
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             t = lap("quota", t)
             upstream_body, strip_usage = self._upstream_body(p)
-            ticket = await rt.admission.admit(p.ask())
+            ticket = await rt.admission.admit(p.ask(self.loop_time()))
             if self._timed:
                 self._stage["queue"](ticket.queue_s)
                 lap("admission", t + ticket.queue_s)

@@ -204,8 +204,9 @@ def test_calibrate_writes_a_learned_block_the_gateway_enforces_after_reload(
             reply = http("GET", gw.url + "/admin/state", headers=bearer(ADMIN))
             assert reply.status == 200
             state = reply.json()
+            # Before calibration the planner's limits hold (model, GPU, TP and the default SLO).
             assert state["pools"]["default"]["thresholds"]["inflight_tokens_max"]["source"] == \
-                "default"
+                "planner"
             done = loadtest(*calibrate, "--rates", "2.5,5,10", "--duration", "2.5", "--write")
             assert done.returncode == 0, done.stderr
             text = policy.read_text()

@@ -47,11 +47,25 @@ class Capacity:
                      model.kv_cache_dtype, block_size=spec.block_size)
         return max(1, led.num_gpu_blocks)
 
-    def rescale_guard(self, ps: PoolState) -> None:
-        static = ps.thresholds.inflight_tokens_max.value
+    @staticmethod
+    def _capacity_tokens(ps: PoolState) -> float:
         kv = ps.thresholds.kv_usage_max.value or 1.0
-        capacity_tokens = sum(ps.capacity.values()) * ps.spec.block_size * kv
-        ceiling = float(static) if static is not None else capacity_tokens
+        return sum(ps.capacity.values()) * ps.spec.block_size * kv
+
+    def static_tokens(self, ps: PoolState) -> float | None:
+        """The static in-flight token limit, where one binds. The planner's is computed from
+        the ledger's KV capacity; on engines that report less (or with a policy's kv_blocks)
+        it may exceed the pool's KV budget, and then the KV budget binds, with overbooking,
+        as without one."""
+        th = ps.thresholds.inflight_tokens_max
+        if th.value is None or (th.source == "planner" and th.value >= self._capacity_tokens(ps)):
+            return None
+        return float(th.value)
+
+    def rescale_guard(self, ps: PoolState) -> None:
+        static = self.static_tokens(ps)
+        capacity_tokens = self._capacity_tokens(ps)
+        ceiling = static if static is not None else capacity_tokens
         ps.guard.rescale(ceiling, floor=min(ceiling, 0.05 * ceiling))
         self.metrics.latency_guard_limit.labels(ps.name).set(ps.guard.limit)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -73,7 +74,7 @@ class Admission:
         self.pools: dict[str, PoolState] = {}
         for name, spec in policy.pools.items():
             ps = PoolState(
-                name=name, spec=spec, thresholds=thresholds_for(spec),
+                name=name, spec=spec, thresholds=thresholds_for(spec, policy),
                 queue=FairQueue(spec.admission.queue_size),
                 guard=LatencyGuard(ceiling=1.0, floor=1.0),
                 ttft=WindowedQuantiles(spec.admission.latency_window_s, clock=clock),
@@ -127,14 +128,12 @@ class Admission:
             overflow_cap=ps.overflow_cap if ask.overflow else None,
             queue_size=ps.spec.admission.queue_size,
             queue_admits=ps.queue.admits(ask.priority), predicted_wait_s=predicted,
-            deadline_s=deadline)
+            deadline_s=deadline, ttft_budget_s=ps.thresholds.ttft_p99_max_s.value)
 
-    @staticmethod
-    def _token_limit(ps: PoolState) -> int | None:
-        """The in-flight token limit, where one binds: the policy's (as the guard scales it),
-        or the guard's own once it has cut below its ceiling."""
-        if ps.guard.limit < ps.guard.ceiling or ps.thresholds.inflight_tokens_max.value \
-                is not None:
+    def _token_limit(self, ps: PoolState) -> int | None:
+        """The in-flight token limit, where one binds: the static one (as the guard scales
+        it), or the guard's own once it has cut below its ceiling."""
+        if ps.guard.limit < ps.guard.ceiling or self.capacity.static_tokens(ps) is not None:
             return int(ps.guard.limit)
         return None
 
@@ -312,6 +311,12 @@ class Admission:
             return Overloaded(f"Pool `{ps.name}` is at capacity: every engine reports more "
                               f"than {waiting_max:g} waiting or KV usage over {kv_max:g}.",
                               retry_after_s=1, reason="static_rule")
+        if d.reason == "ttft_spent":
+            return Overloaded(f"The request spent {ask.waited_s:.1f}s in the gateway before "
+                              f"pool `{ps.name}` could take it, its whole TTFT target "
+                              f"({ps.thresholds.ttft_p99_max_s.value:g}s): the gateway is "
+                              "working through a burst.", reason="ttft_spent",
+                              retry_after_s=max(1, math.ceil(ask.waited_s)))
         predicted, deadline = waiting.outlook(ps, ask)
         cause = d.cause or d.reason
         return waiting.overloaded(ps, cause, predicted, deadline,
@@ -418,7 +423,7 @@ class Admission:
 
 
 def _ask_view(ask: Ask) -> AskView:
-    return AskView(ask.blocks, ask.tokens, ask.overflow)
+    return AskView(ask.blocks, ask.tokens, ask.overflow, ask.waited_s)
 
 
 def _no_backend(pool: str) -> NoBackendAvailable:

@@ -12,12 +12,15 @@ The checks, in order:
 2. no backend available: reject (`no_backend`);
 3. a request overflowed from a long-context pool beyond the overflow cap: reject;
 4. mode `static`: the least-loaded backend whose engine is under the static rule, else reject;
-5. placement (`place`): backends by KV headroom, most first; a backend is skipped when its
+5. a request that has already spent the pool's TTFT target in the gateway (reading, counting,
+   waiting for the tokenizer behind a burst of long prompts) cannot meet it: reject
+   (`ttft_spent`), even where it would fit, so the engines' time goes to requests that can;
+6. placement (`place`): backends by KV headroom, most first; a backend is skipped when its
    engine's own report or its prefill backlog rules it out; the first where the reservation
    fits its block limit, the pool's in-flight tokens and the tenant's share takes it;
-6. nothing placed: queue when the queue has room and the predicted wait fits the deadline,
+7. nothing placed: queue when the queue has room and the predicted wait fits the deadline,
    else reject with the reason that tells why;
-7. mode `shadow`: whatever 1-6 said is recorded, and the request is admitted anyway.
+8. mode `shadow`: whatever 1-7 said is recorded, and the request is admitted anyway.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class PoolView:
     queue_size: int
     queue_admits: bool  # the queue has room for this ask, or someone less important to shed
     predicted_wait_s: float
-    deadline_s: float
+    deadline_s: float  # what is left of the queue deadline after the time already waited
+    ttft_budget_s: float | None = None  # the TTFT line in force, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,7 @@ class AskView:
     blocks: int
     tokens: int
     overflow: bool = False
+    waited_s: float = 0.0  # in the gateway before admission
 
 
 def reservation_blocks(ask_blocks: int, limit_blocks: int) -> int:
@@ -151,6 +156,8 @@ def decide(view: PoolView, ask: AskView) -> Decision:
 
 
 def _enforce(view: PoolView, ask: AskView) -> Decision:
+    if view.ttft_budget_s is not None and ask.waited_s >= view.ttft_budget_s:
+        return Decision("reject", "ttft_spent")
     placed = place(view, ask)
     if placed.backend is not None:
         return Decision("admit", "fits", placed.backend)

@@ -32,6 +32,7 @@ class Ask:
     tenant_shadow: bool = False  # the tenant's share is counted, not enforced
     prompt_tokens: int = 0  # what its engine must prefill before the first token
     backend: str | None = None  # only this backend may take it (it holds the conversation)
+    waited_s: float = 0.0  # time in the gateway before admission (counting, its tokenizer)
 
 
 @dataclass(eq=False)

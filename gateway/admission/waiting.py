@@ -32,14 +32,16 @@ _FULL = {
 
 
 def outlook(ps: PoolState, ask: Ask) -> tuple[float, float]:
-    """(predicted wait, deadline) for `ask` joining the queue now: the work queued ahead of it
-    and its own, over the pool's measured drain rate (0 until one is measured)."""
+    """(predicted wait, deadline left) for `ask` joining the queue now: the work queued ahead
+    of it and its own, over the pool's measured drain rate (0 until one is measured)."""
     ahead = ps.queue.work_ahead(ask.priority, ask.caller)
     predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
-    deadline = ps.spec.admission.queue_wait_max_s
+    deadline = ps.thresholds.queue_wait_max_s.value or 0.0
     if ask.deadline_s is not None:
         deadline = min(deadline, ask.deadline_s)
-    return predicted, deadline
+    # The deadline counts from when the gateway had the request: time it already waited here
+    # (for the tokenizer, behind a burst of long prompts) is time waited.
+    return predicted, max(0.0, deadline - ask.waited_s)
 
 
 def overloaded(ps: PoolState, cause: str, predicted: float, deadline: float,
@@ -84,8 +86,12 @@ async def wait(ps: PoolState, ask: Ask, cause: str, now: float,
         async with asyncio.timeout(deadline):
             reason = await waiter.future
     except TimeoutError:
-        count("rejected", "queue_timeout")
-        raise overloaded(ps, cause, predicted, deadline, "queue_timeout") from None
+        if waiter.ticket is None:
+            count("rejected", "queue_timeout")
+            raise overloaded(ps, cause, predicted, deadline, "queue_timeout") from None
+        # The drain reserved for it just as the deadline struck: it is admitted (refusing it
+        # here would leak the reservation and its prompt's place in the prefill backlog).
+        reason = waiter.ticket.reason
     except BaseException:
         # Cancelled (the caller left) just as the dispatcher reserved for it: give it back.
         if waiter.ticket is not None:

@@ -1,11 +1,20 @@
-"""`gateway check FILE...`: validate policies; print a one-screen summary or what is wrong."""
+"""`gateway check FILE...`: validate policies; print a one-screen summary or what is wrong.
+
+The summary says, per pool, which protections are in force and where each number comes from
+(`policy`, `learned`, `planner`, `default`: gateway/admission/thresholds.py), and a pool that
+is not protected at all, or only by its KV cache, gets a warning on stderr (the policy is still
+valid: exit status 0).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from gateway.admission.thresholds import Threshold, pool_planner_limits, thresholds_for
 from gateway.policy import Policy, PolicyError, load_policy
+from gateway.policy.model import PoolSpec
+from gateway.profiles import get_gpu, ledger
 from gateway.state.urls import CLUSTER, SENTINEL, parse_url, state_problem
 
 
@@ -34,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok")
         print(summarise(policy))
+        for pool, warning in warnings(policy):
+            print(f"{path}: pools.{pool}: warning: {warning}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -62,6 +73,8 @@ def summarise(policy: Policy) -> str:
                      f"max_model_len {pool.max_model_len}, {pool.gpu} TP={pool.tp}")
         for b in pool.backends:
             lines.append(f"      - {b.name}: {b.url}")
+        lines.append("      protections (source):")
+        lines.extend(f"        {line}" for line in protections(policy, pool))
     s, u, h = policy.server, policy.upstream, policy.health
     lines.append(f"  limits: body {s.max_body_bytes:,} B, body timeout {s.body_timeout_s:g}s, "
                  f"prompt {s.max_prompt_chars:,} chars; default max_tokens "
@@ -70,4 +83,104 @@ def summarise(policy: Policy) -> str:
                  f"{u.max_connections} connections; health: probe every "
                  f"{h.probe_interval_s:g}s, eject after {h.failure_threshold} failures for "
                  f"{h.cooldown_s:g}s")
+    slo = policy.defaults.slo
+    lines.append("  slo (defaults.slo): " + (
+        f"TTFT P95 {slo.ttft_p95_s:g}s, TPOT P95 {slo.tpot_p95_s * 1000:g}ms; the planner "
+        "derives each pool's first limits from it" if slo is not None
+        else "none: no limits from the planner"))
     return "\n".join(lines)
+
+
+def _src(t: Threshold, why: str = "") -> str:
+    return f"({t.source}: {why})" if why and t.source == "planner" else f"({t.source})"
+
+
+def _kv_capacity(policy: Policy, pool: PoolSpec) -> tuple[int | None, str]:
+    """KV blocks per backend and where that number comes from, as admission starts with it."""
+    if pool.kv_blocks is not None:
+        return pool.kv_blocks, "policy"
+    model = policy.model(pool.models[0])
+    if model is not None and model.architecture is not None:
+        led = ledger(model.architecture.resolve(), get_gpu(pool.gpu), pool.tp, model.dtype,
+                     model.kv_cache_dtype, block_size=pool.block_size)
+        return led.num_gpu_blocks, "planner's ledger"
+    return None, ""
+
+
+def protections(policy: Policy, pool: PoolSpec) -> list[str]:
+    """One line per protection of `pool`: what is in force, its number and its source."""
+    a = pool.admission
+    if not a.enabled:
+        return ["none: admission disabled (every request is forwarded)"]
+    th = thresholds_for(pool, policy)
+    plan = pool_planner_limits(pool, policy)
+    why = plan.explain() if plan is not None else {}
+    out = []
+    if a.shadow:
+        out.append("shadow mode: decisions are counted, nothing is enforced")
+    if a.mode == "static":
+        waiting = th.waiting_max.value
+        kv = th.kv_usage_max
+        out.append(f"static rule: shed when every engine reports more than "
+                   f"{5 if waiting is None else waiting:g} waiting "
+                   f"({th.waiting_max.source if waiting is not None else 'default'}) or KV "
+                   f"usage over {kv.value if kv.source != 'default' else 0.8:g} "
+                   f"({kv.source})")
+        return out
+    blocks, where = _kv_capacity(policy, pool)
+    kv = th.kv_usage_max
+    engine_reports = pool.engine != "openai" and pool.kv_blocks is None
+    if blocks is not None:
+        replaced = "; the engines' own reports replace it" if engine_reports else ""
+        out.append(f"KV reservations: {blocks:,} blocks of {pool.block_size} per engine "
+                   f"({where}{replaced}), up to kv_usage_max {kv.value:g} ({kv.source})")
+    elif engine_reports:
+        out.append(f"KV reservations: from the engines' own reports once scraped (no "
+                   f"architecture or kv_blocks for a planned figure), up to kv_usage_max "
+                   f"{kv.value:g} ({kv.source})")
+    for name, label, unit in (
+            ("prefill_tokens_max", "prefill backlog", "tokens per engine"),
+            ("inflight_tokens_max", "in-flight tokens", "tokens in the pool"),
+            ("waiting_max", "engine queue", "waiting per engine")):
+        t: Threshold = getattr(th, name)
+        if t.value is not None:
+            out.append(f"{label}: {t.value:,.0f} {unit} {_src(t, why.get(name, ''))}")
+    ttft, tpot = th.ttft_p99_max_s, th.tpot_p99_max_s
+    if ttft.value is not None or tpot.value is not None:
+        lines = [f"TTFT P99 {ttft.value:g}s {_src(ttft, why.get('ttft_p99_max_s', ''))}"
+                 if ttft.value is not None else "",
+                 f"TPOT P99 {tpot.value * 1000:g}ms {_src(tpot, why.get('tpot_p99_max_s', ''))}"
+                 if tpot.value is not None else ""]
+        out.append("latency guard: " + ", ".join(x for x in lines if x))
+    q = th.queue_wait_max_s
+    out.append(f"queue: {a.queue_size} waiting at most {q.value:g}s "
+               f"{_src(q, why.get('queue_wait_max_s', ''))}" if a.queue_size
+               else "queue: none (queue_size 0: what does not fit now is refused)")
+    return out
+
+
+def warnings(policy: Policy) -> list[tuple[str, str]]:
+    """(pool, warning) for each pool left unprotected, or guarded only by its KV cache."""
+    out = []
+    for name, pool in policy.pools.items():
+        a = pool.admission
+        if not a.enabled:
+            out.append((name, "no protection in force: admission is disabled"))
+            continue
+        if a.shadow:
+            out.append((name, "no protection in force: shadow mode enforces nothing"))
+            continue
+        if a.mode == "static":
+            continue
+        th = thresholds_for(pool, policy)
+        limits = [th.prefill_tokens_max, th.inflight_tokens_max, th.waiting_max,
+                  th.ttft_p99_max_s, th.tpot_p99_max_s]
+        kv_known = _kv_capacity(policy, pool)[0] is not None or pool.engine != "openai"
+        if not any(t.value is not None for t in limits):
+            out.append((name, "no protection in force beyond the KV cache: give its model an "
+                        "architecture and keep defaults.slo (limits from the planner), or run "
+                        "`loadtest calibrate`" if kv_known else
+                        "no protection in force: no KV capacity known (no architecture, no "
+                        "kv_blocks, an engine that reports none) and no limits; give its "
+                        "model an architecture, or run `loadtest calibrate`"))
+    return out

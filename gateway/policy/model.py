@@ -269,9 +269,20 @@ class SignalsSpec(Strict):
     metrics_max_age_s: PositiveFloat = 5.0  # older samples count as unknown
 
 
+class SloSpec(Strict):
+    """The latency SLO the pools are held to before any calibration: the planner derives each
+    pool's first limits from it and the pool's roofline (gateway/planner/limits.py)."""
+
+    ttft_p95_s: PositiveFloat = 2.0  # time to first token, 95th percentile
+    tpot_p95_s: PositiveFloat = 0.06  # time per output token, 95th percentile
+
+
 class Defaults(Strict):
     max_tokens: PositiveInt = 1024  # when neither request nor pool says
     expected_output_tokens: PositiveInt = 256  # until completed requests teach a better value
+    # The SLO the planner's limits are derived from, for pools whose model has an architecture
+    # (a value an SRE writes, or a learned one, wins); null: no limits from the planner.
+    slo: SloSpec | None = SloSpec()
 
 
 class ServerSpec(Strict):
