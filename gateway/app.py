@@ -294,6 +294,7 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
         start = loop.time()
         await asyncio.sleep(LAG_INTERVAL_S)
         observe(max(0.0, loop.time() - start - LAG_INTERVAL_S))
+        metrics.flush_gc_pauses()  # noted by the GC callback, which must not observe itself
 
 
 _BUSY = error_body("The gateway is handling as many requests as it is configured to; "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -107,6 +108,9 @@ class GatewayMetrics:
         self.gc_pause = Histogram(
             "gateway_gc_pause_seconds", "Garbage-collection pauses, by generation.",
             ["generation"], buckets=LAG_BUCKETS, registry=r)
+        self._gc_children = [self.gc_pause.labels(str(g)) for g in range(3)]
+        # (generation, seconds) of collections not yet observed; bounded, should no tick come
+        self._gc_pauses: deque[tuple[int, float]] = deque(maxlen=4096)
         # --- admission ---
         self.admission_decisions = Counter(
             "gateway_admission_decisions_total",
@@ -242,9 +246,15 @@ class GatewayMetrics:
         return children
 
     def install_gc_callback(self) -> None:
-        """Time every collection: a full one stalls every open stream for its duration."""
+        """Time every collection: a full one stalls every open stream for its duration.
+
+        The callback only notes the pause; `flush_gc_pauses` observes it later. Observing in
+        the callback deadlocked a `--workers` process: a collection can start inside
+        prometheus_client while it holds its (not re-entrant) multiprocess value lock, creating
+        a label child, and the callback's observe then waited for that same lock forever.
+        """
         started: list[float] = [0.0]
-        children = [self.gc_pause.labels(str(g)) for g in range(3)]
+        pauses = self._gc_pauses
 
         # CPU time of the collecting thread, not wall time: a collection holds the GIL, but the
         # Python callback around it may wait for the GIL, which is not the collection's pause.
@@ -252,10 +262,17 @@ class GatewayMetrics:
             if phase == "start":
                 started[0] = time.thread_time()
             else:
-                children[info["generation"]].observe(time.thread_time() - started[0])
+                pauses.append((info["generation"], time.thread_time() - started[0]))
 
         gc.callbacks.append(on_gc)
         self._gc_callback = on_gc
+
+    def flush_gc_pauses(self) -> None:
+        """Observe the collections noted since the last call (the loop-lag monitor's tick)."""
+        pauses = self._gc_pauses
+        while pauses:
+            generation, seconds = pauses.popleft()
+            self._gc_children[generation].observe(seconds)
 
     def remove_gc_callback(self) -> None:
         cb = getattr(self, "_gc_callback", None)
