@@ -3,10 +3,16 @@
 Replicas share the buckets through the state backend. A request reserves prompt + expected
 output tokens before it is forwarded and is reconciled with the engine's reported usage
 afterwards; a request that never reached an engine is refunded in full.
+
+What a request took is a hold in the store under the request's own id until it settles, so a
+settle counts once whatever happens to it: the store sends it again after an outage (a Redis
+failover, a restart) without giving the tenant tokens twice, and the holds left over say
+exactly what is still reserved (none, once the replicas are quiet).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from gateway.errors import QuotaExceeded, RateWindow, StateUnavailable
@@ -23,6 +29,7 @@ class QuotaTicket:
     taken: int
     buckets: tuple[Bucket, ...]
     window: RateWindow | None  # the tightest window's state, for x-ratelimit-* on the answer
+    hold: str = ""  # the id `taken` is held under in each bucket until settled
 
 
 def buckets(tenant: TenantSpec) -> tuple[Bucket, ...]:
@@ -62,15 +69,19 @@ async def take_quota(state: StateBackend, tenant: TenantSpec, tokens: int,
         return None
     taken: list[Bucket] = []
     window: RateWindow | None = None
+    hold = uuid.uuid4().hex
     for bucket in wanted:
-        result = await state.take(bucket, tokens)
+        try:
+            result = await state.take(bucket, tokens, hold)
+        except StateError:
+            await _give_back(state, taken, hold, tokens)
+            raise
         if result.ok:
             taken.append(bucket)
             if window is None:
                 window = window_of(bucket, result, 0)
             continue
-        for b in taken:
-            await state.adjust(b, tokens)
+        await _give_back(state, taken, hold, tokens)
         if enforce:
             refused = window_of(bucket, result, tokens)
             raise QuotaExceeded(
@@ -79,19 +90,27 @@ async def take_quota(state: StateBackend, tenant: TenantSpec, tokens: int,
                 f"{max(0, result.remaining)}, requested {tokens}. Please try again in "
                 f"{max(1.0, refused.retry_s):.1f}s.", refused)
         return QuotaTicket(tenant.name, 0, (), None)
-    return QuotaTicket(tenant.name, tokens, tuple(taken), window)
+    return QuotaTicket(tenant.name, tokens, tuple(taken), window, hold)
+
+
+async def _give_back(state: StateBackend, taken: list[Bucket], hold: str, tokens: int) -> None:
+    """Settle what earlier buckets took, in full (a later bucket refused, or failed)."""
+    for b in taken:
+        try:
+            await state.settle(b, hold, tokens)
+        except StateError:
+            pass  # the store settles it when it answers again
 
 
 async def settle_quota(state: StateBackend, ticket: QuotaTicket, used: int | None) -> None:
-    """Reconcile a reservation with what the engine reported (None: nothing ran: refund)."""
+    """Reconcile a reservation with what the engine reported (None: nothing ran: refund).
+    Settled even when nothing is to be given back, to end the hold."""
     delta = ticket.taken - (used or 0)
-    if not delta:
-        return
     for bucket in ticket.buckets:
         try:
-            await state.adjust(bucket, delta)
+            await state.settle(bucket, ticket.hold, delta)
         except StateError:
-            pass  # quotas are best effort while the store is down; admission has its mode
+            pass  # the store settles it when it answers again; admission has its fail mode
 
 
 class Quotas:

@@ -102,17 +102,18 @@ class Node:
 
 
 def _cluster_port() -> int:
-    """A free loopback port Redis takes for a cluster node: at most 55535 (it refuses higher
-    ones, meant for port + 10000, even with --cluster-port set)."""
-    for _ in range(200):
+    """A free loopback port for a cluster node whose bus port (port + 10000) is free too:
+    Redis 7.0 puts the bus there and refuses a port above 55535."""
+    for _ in range(500):
         port = random.randint(20000, 55535)
-        with socket.socket() as s:
+        with socket.socket() as a, socket.socket() as b:
             try:
-                s.bind(("127.0.0.1", port))
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port for a cluster node")
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def _data_args(port: int, d: Path, *extra: str) -> list[str]:

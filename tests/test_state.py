@@ -165,6 +165,38 @@ async def test_remembered_values_are_shared_and_expire(
 
 
 @pytest.mark.anyio
+async def test_a_quota_hold_settles_once(make_state: Callable[..., StateBackend]) -> None:
+    # What a request took is held under its id until it settles; a settle sent again (after
+    # a failure that may have run) or for a hold never taken changes nothing.
+    key = f"tenant-{uuid.uuid4().hex[:8]}"
+    state = make_state()
+    bucket = Bucket(key, capacity=1000, refill_per_s=0.001)
+    assert (await state.take(bucket, 600, "r1")).remaining == 400
+    assert (await state.take(bucket, 600, "r1")).remaining == 400  # a retried take: once
+    assert not (await state.take(bucket, 600, "r2")).ok  # 400 left
+    settled = await state.settle(bucket, "r1", 500)  # used 100 of the 600
+    assert settled.ok and settled.remaining == 900
+    again = await state.settle(bucket, "r1", 500)
+    assert not again.ok and again.remaining == 900
+    assert not (await state.settle(bucket, "never-taken", 500)).ok
+    assert (await state.take(bucket, 300, "r3")).remaining == 600
+    assert (await state.settle(bucket, "r3", -200)).remaining == 400  # used 500: more taken
+    await state.close()
+
+
+@pytest.mark.anyio
+async def test_a_quota_hold_expires_taken(make_state: Callable[..., StateBackend]) -> None:
+    key = f"tenant-{uuid.uuid4().hex[:8]}"
+    state = make_state()
+    bucket = Bucket(key, capacity=1000, refill_per_s=0.001)
+    await state.take(bucket, 600, "gone", ttl_s=0.2)  # its replica died before settling
+    await asyncio.sleep(0.35)
+    late = await state.settle(bucket, "gone", 600)
+    assert not late.ok and late.remaining == 400  # what it took stays taken
+    await state.close()
+
+
+@pytest.mark.anyio
 async def test_replicas_count_each_other(make_state: Callable[..., StateBackend]) -> None:
     prefix = f"hb-{uuid.uuid4().hex[:8]}"  # its own heartbeat key, even on a shared Redis
     a, b = make_state(prefix), make_state(prefix)

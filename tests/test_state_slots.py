@@ -73,7 +73,8 @@ async def every_operation(prefix: str, pools: list[str], tenant: str) -> Recorde
         await state.release(lease)
     for window in ("minute", "day"):
         bucket = Bucket(f"{tenant}:{window}", 1000, 1.0)
-        await state.take(bucket, 10)
+        await state.take(bucket, 10, "hold-1")
+        await state.settle(bucket, "hold-1", 5)
         await state.adjust(bucket, 5)
     await state.heartbeat("replica-1", 10)
     await state.remember(f"response:{pools[0]}", "v", 10)
@@ -110,7 +111,8 @@ async def test_every_call_keeps_its_keys_in_one_slot(prefix: str, pools: list[st
 async def test_the_shipped_prefix_and_pools() -> None:
     recorder = await every_operation("gw", ["default", "long", "a.b-c_9"], "anonymous")
     assert_one_slot_per_call(recorder)
-    assert ("bucket", ["gw:quota:{anonymous:minute}"]) in recorder.calls
+    assert ("bucket", ["gw:quota:{anonymous:minute}", "gw:quota-held:{anonymous:minute}",
+                       "gw:quota-holds:{anonymous:minute}"]) in recorder.calls
     assert ("heartbeat", ["gw:replicas"]) in recorder.calls
 
 

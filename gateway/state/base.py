@@ -62,6 +62,11 @@ class ReserveResult:
     reason: str = ""  # "kv_blocks", "inflight_tokens" or "tenant_share" when refused
 
 
+# A quota hold outlives any request (a stream's reads are at most upstream.read_timeout_s
+# apart, but a stream may run for hours); it only bounds the bookkeeping of a replica that died.
+HOLD_TTL_S = 86_400.0
+
+
 class StateError(Exception):
     """The store could not be reached or answered wrongly; admission applies its fail mode."""
 
@@ -92,10 +97,20 @@ class StateBackend(abc.ABC):
         """Reserved blocks per backend and tokens of the pool, expired leases dropped."""
 
     @abc.abstractmethod
-    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
+    async def take(self, bucket: Bucket, amount: int, hold: str = "",
+                   ttl_s: float = HOLD_TTL_S) -> BucketResult:
         """Take `amount` from the bucket if it holds that much. A full bucket always gives,
         even more than it holds (going negative), so a request larger than a whole quota
-        window is admitted once rather than refused forever."""
+        window is admitted once rather than refused forever.
+
+        With a `hold` id, what was taken is held under that id until `settle` (or `ttl_s`,
+        after which it stays taken); a take repeated with the same id takes nothing more."""
+
+    @abc.abstractmethod
+    async def settle(self, bucket: Bucket, hold: str, refund: int) -> BucketResult:
+        """End a hold: put `refund` back (taken - used; negative takes more), once. A hold
+        that is not there (settled already, expired, never taken) changes nothing: ok False.
+        So a settle may be sent again after a failure that may or may not have run."""
 
     @abc.abstractmethod
     async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from gateway.state.base import (
+    HOLD_TTL_S,
     Bucket,
     BucketResult,
     Lease,
@@ -35,6 +36,7 @@ class MemoryState(StateBackend):
         self._tenants: dict[tuple[str, str], int] = {}  # (pool, tenant) -> blocks
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (level, at)
         self._kept: dict[str, tuple[str, float]] = {}  # remember(): key -> (value, expiry)
+        self._holds: dict[tuple[str, str], tuple[int, float]] = {}  # (bucket, hold) -> taken
 
     def _purge(self) -> None:
         now = self.clock()
@@ -97,11 +99,33 @@ class MemoryState(StateBackend):
         reset = (bucket.capacity - level) / bucket.refill_per_s if bucket.refill_per_s else 0.0
         return BucketResult(ok, int(level), max(0.0, reset))
 
-    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
+    async def take(self, bucket: Bucket, amount: int, hold: str = "",
+                   ttl_s: float = HOLD_TTL_S) -> BucketResult:
         level = self._level(bucket)
+        if hold and (bucket.key, hold) in self._holds:
+            return self._result(bucket, True, level)  # taken already under this hold
         if level >= amount or level >= bucket.capacity:
+            if hold:
+                self._hold(bucket.key, hold, amount, ttl_s)
             return self._result(bucket, True, level - amount)
         return self._result(bucket, False, level)
+
+    def _hold(self, key: str, hold: str, amount: int, ttl_s: float) -> None:
+        now = self.clock()
+        if len(self._holds) >= KEPT_MAX:  # bounded: expired ones go first
+            self._holds = {k: v for k, v in self._holds.items() if v[1] > now}
+        self._holds[(key, hold)] = (amount, now + ttl_s)
+
+    async def settle(self, bucket: Bucket, hold: str, refund: int) -> BucketResult:
+        level = self._level(bucket)
+        entry = self._holds.pop((bucket.key, hold), None)
+        if entry is None or entry[1] <= self.clock():
+            return self._result(bucket, False, level)
+        return self._result(bucket, True, min(float(bucket.capacity), level + refund))
+
+    def holds(self) -> int:
+        """Holds not settled yet (for tests)."""
+        return len(self._holds)
 
     async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:
         level = min(float(bucket.capacity), self._level(bucket) + delta)

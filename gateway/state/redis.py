@@ -22,6 +22,14 @@ What an outage would otherwise leave behind:
 - A reserve that timed out may still run: a stopped Redis reads it from its socket when it
   resumes. A release that failed did not run. Both leases are released once Redis answers
   again (releasing is idempotent), instead of holding their blocks for the lease TTL.
+- A quota take that failed may have run too, and a settle that failed did not: both are
+  settled once Redis answers again (a take's whole reservation given back: usage while the
+  store is out is not charged). A settle counts once however often it is sent (the bucket
+  script keeps each request's hold until it settles), so sending it again is safe.
+- A failover may lose the last writes the old primary acknowledged (replication is
+  asynchronous): a lease released just before it comes back, a settle is undone. Both are
+  idempotent, so the releases and settles of the last RECENT_S seconds before an outage are
+  sent again with the ones it left (a lease gone already, or a hold settled, is a no-op).
 - A restarted Redis has forgotten the quota buckets, and a tenant in debt (its settled usage
   beyond what it reserved, or a full bucket's one oversized request) would get a full one.
   The bucket script re-seeds a missing bucket from the level this replica last saw, refilled
@@ -34,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any, TypeVar
@@ -56,6 +65,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import StateSpec
 from gateway.state.base import (
+    HOLD_TTL_S,
     Bucket,
     BucketResult,
     Lease,
@@ -70,6 +80,8 @@ from gateway.state.urls import CLUSTER, SENTINEL, SINGLE, StateURL, check_prefix
 
 DEFAULT_PREFIX = "gw"
 UNRELEASED_MAX = 100_000  # leases kept for release after an outage; beyond, the TTL frees them
+RECENT_S = 2.0  # releases and settles sent again after an outage: a failover may have lost them
+RECENT_MAX = 20_000
 
 log = logging.getLogger("gateway.state")
 T = TypeVar("T")
@@ -99,8 +111,15 @@ def pool_keys(pool: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 
 def bucket_key(bucket: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """A quota bucket's key (`TENANT:minute` or `TENANT:day`): one key, its own slot."""
+    """A quota bucket's key (`TENANT:minute` or `TENANT:day`)."""
     return f"{prefix}:quota:{{{bucket}}}"
+
+
+def quota_keys(bucket: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """The bucket, its holds (hash id -> tokens) and their expiries (zset): one slot, the
+    bucket's. Not under `PREFIX:quota:*`, so a scan of the buckets finds only buckets."""
+    return [bucket_key(bucket, prefix), f"{prefix}:quota-held:{{{bucket}}}",
+            f"{prefix}:quota-holds:{{{bucket}}}"]
 
 
 def replicas_key(prefix: str = DEFAULT_PREFIX) -> str:
@@ -163,6 +182,12 @@ class RedisState(StateBackend):
         # Leases to release at the next answer: their reserve may have run unseen (it timed
         # out), or their release failed.
         self._unreleased: dict[str, Lease] = {}
+        # Quota holds to settle at the next answer: (bucket, hold id, refund), by bucket|hold.
+        self._unsettled: dict[str, tuple[Bucket, str, int]] = {}
+        # Releases and settles Redis acknowledged lately: (when, lease or (bucket, hold,
+        # refund)), sent again after an outage in case a failover lost them.
+        self._recent: deque[tuple[float, Lease | tuple[Bucket, str, int]]] = \
+            deque(maxlen=RECENT_MAX)
         self._flush: asyncio.Task[None] | None = None
         if metrics is not None:
             metrics.state_breaker.set(self.breaker.state)
@@ -191,11 +216,22 @@ class RedisState(StateBackend):
         except RedisError as exc:  # an error reply: Redis is there
             self.breaker.succeeded()
             raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            # The client failed in a way of its own: writing to a connection the peer (a
+            # primary killed in a failover) or another call has just closed raises the
+            # transport's own error, not ConnectionError (redis-py 8.1 with uvloop:
+            # RuntimeError or AttributeError; redis/redis-py#4287). The store is out for this
+            # call, as for a refused connection: never a 500.
+            self.breaker.failed()
+            log.warning("state backend: the Redis client failed (%s: %s); taken as the store "
+                        "unreachable", type(exc).__name__, exc)
+            raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
         except BaseException:  # cancelled: the caller left before any answer
             self.breaker.abandoned(probe)
             raise
         self.breaker.succeeded()
-        if self._unreleased and (self._flush is None or self._flush.done()):
+        if (self._unreleased or self._unsettled) and (self._flush is None
+                                                       or self._flush.done()):
             self._flush = asyncio.get_running_loop().create_task(self._release_left())
         return result
 
@@ -208,6 +244,8 @@ class RedisState(StateBackend):
             self.metrics.state_breaker.set(new)
             if old == CLOSED:
                 self.metrics.state_breaker_opens.inc()
+        if old == CLOSED:
+            self._resend_recent()
         # The outage's start and end; the probes in between (one per interval) only at debug.
         if old == CLOSED:
             log.warning("state backend %s: no answer; circuit open, calls fail at once (the "
@@ -219,19 +257,52 @@ class RedisState(StateBackend):
         else:
             log.debug("state backend: circuit %s -> %s", NAMES[old], NAMES[new])
 
+    def _ended(self, item: Lease | tuple[Bucket, str, int]) -> None:
+        now = self.clock()
+        while self._recent and self._recent[0][0] < now - RECENT_S:
+            self._recent.popleft()
+        self._recent.append((now, item))
+
+    def _resend_recent(self) -> None:
+        """An outage began: what ended in the seconds before it goes with what it leaves."""
+        since = self.clock() - RECENT_S
+        for when, item in self._recent:
+            if when < since:
+                continue
+            if isinstance(item, Lease):
+                self._keep_for_release(item)
+            else:
+                self._keep_for_settle(*item)
+        self._recent.clear()
+
     def _keep_for_release(self, lease: Lease) -> None:
         if len(self._unreleased) >= UNRELEASED_MAX:
             self._unreleased.pop(next(iter(self._unreleased)))  # the oldest: its TTL is nearest
         self._unreleased[lease.lease_id] = lease
 
+    def _keep_for_settle(self, bucket: Bucket, hold: str, refund: int) -> None:
+        if len(self._unsettled) >= UNRELEASED_MAX:
+            self._unsettled.pop(next(iter(self._unsettled)))  # the hold's TTL ends it
+        self._unsettled[f"{bucket.key}|{hold}"] = (bucket, hold, refund)
+
     async def _release_left(self) -> None:
-        """Release what an outage left held in Redis, until Redis is out again."""
+        """Release and settle what an outage left held in Redis, until Redis is out again."""
+        settled = 0
+        while self._unsettled:
+            key, (bucket, hold, refund) = next(iter(self._unsettled.items()))
+            try:
+                settled += (await self._bucket_call(bucket, refund, "settle", hold)).ok
+            except StateError:
+                if self.breaker.state != CLOSED:
+                    return  # out again: kept for the next answer
+            self._unsettled.pop(key, None)
+        if settled:
+            log.warning("state backend: settled %d quota hold(s) left by an outage", settled)
         released = 0
         while self._unreleased:
             lease_id, lease = next(iter(self._unreleased.items()))
             try:
-                await self._release_one(lease)
-                released += 1
+                released += await self._release_one(lease)
             except StateError:
                 if self.breaker.state != CLOSED:
                     break  # out again: kept for the next answer
@@ -266,10 +337,12 @@ class RedisState(StateBackend):
             self._keep_for_release(lease)
             raise
         self._unreleased.pop(lease.lease_id, None)
+        self._ended(lease)
 
-    async def _release_one(self, lease: Lease) -> None:
-        await self._call("release", lambda: self._release(
-            keys=pool_keys(lease.pool, self.prefix), args=[lease.lease_id]))
+    async def _release_one(self, lease: Lease) -> int:
+        """1 if the lease was there to release."""
+        return int(await self._call("release", lambda: self._release(
+            keys=pool_keys(lease.pool, self.prefix), args=[lease.lease_id])))
 
     async def refresh(self, leases: list[Lease], ttl_s: float) -> None:
         by_pool: dict[str, list[str]] = {}
@@ -288,20 +361,40 @@ class RedisState(StateBackend):
         blocks = {_text(raw[i]): int(raw[i + 1]) for i in range(1, len(raw), 2)}
         return PoolUsage(blocks, int(raw[0]))
 
-    async def take(self, bucket: Bucket, amount: int) -> BucketResult:
-        return await self._bucket_call(bucket, amount, "take")
+    async def take(self, bucket: Bucket, amount: int, hold: str = "",
+                   ttl_s: float = HOLD_TTL_S) -> BucketResult:
+        try:
+            return await self._bucket_call(bucket, amount, "take", hold, int(ttl_s * 1000))
+        except NotSent:
+            raise
+        except StateError:
+            if hold:  # it may have run: give it back whole once Redis answers
+                self._keep_for_settle(bucket, hold, amount)
+            raise
+
+    async def settle(self, bucket: Bucket, hold: str, refund: int) -> BucketResult:
+        try:
+            result = await self._bucket_call(bucket, refund, "settle", hold)
+        except StateError:
+            self._keep_for_settle(bucket, hold, refund)
+            raise
+        self._unsettled.pop(f"{bucket.key}|{hold}", None)
+        self._ended((bucket, hold, refund))
+        return result
 
     async def adjust(self, bucket: Bucket, delta: int) -> BucketResult:
         return await self._bucket_call(bucket, delta, "adjust")
 
-    async def _bucket_call(self, bucket: Bucket, amount: int, op: str) -> BucketResult:
+    async def _bucket_call(self, bucket: Bucket, amount: int, op: str, hold: str = "",
+                           ttl_ms: int = 0) -> BucketResult:
         # The level this replica last saw, and how long ago: the script re-seeds the bucket
         # from it if Redis has lost the key (a restart), so a tenant's debt survives.
         seen = self._seen.get(bucket.key)
         seed = ["", 0] if seen is None else [seen[0], int((self.clock() - seen[1]) * 1000)]
         ok, remaining, reset_ms = await self._call("quota", lambda: self._bucket(
-            keys=[bucket_key(bucket.key, self.prefix)],
-            args=[amount, bucket.capacity, repr(bucket.refill_per_s), op, *seed]))
+            keys=quota_keys(bucket.key, self.prefix),
+            args=[amount, bucket.capacity, repr(bucket.refill_per_s), op, *seed, hold,
+                  ttl_ms]))
         self._seen[bucket.key] = (int(remaining), self.clock())
         return BucketResult(bool(ok), int(remaining), int(reset_ms) / 1000)
 
