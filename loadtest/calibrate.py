@@ -42,6 +42,7 @@ from loadtest import __version__
 from loadtest.run_cli import (
     UsageError,
     add_load_options,
+    add_report_option,
     make_builder,
     note,
     prepare,
@@ -79,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the learned block into the policy (default: print the diff)")
     p.add_argument("--out", metavar="FILE.json", help="write the sweep with engine states")
     p.add_argument("--plot", metavar="FILE.png", help="latency percentiles and goodput vs load")
+    add_report_option(p)
 
 
 # --- scraping -----------------------------------------------------------------------------------
@@ -339,8 +341,20 @@ async def _run(args: argparse.Namespace) -> int:
         plot_sweep(sorted(sweep.steps, key=lambda s: float(s["offered"])), sweep.knee,
                    args.plot, f"calibrate {args.pool} - {prep.workload.source} - SLO {args.slo}")
     print(saturation_line(sweep))
+
+    def report(learned: dict[str, Any] | None) -> None:
+        if args.report:
+            from loadtest import html_report
+
+            html_report.write_sweep(args.report, summary(sweep, prep, args), learned=learned,
+                                    statistic=args.statistic,
+                                    title=f"loadtest calibrate: pool {args.pool} of {path}, "
+                                          f"SLO {args.slo}")
+            note(f"report written to {args.report}")
+
     knee = sweep.knee_step()
     if knee is None:
+        report(None)
         note("no knee: even the lowest rate missed the SLO attainment target; nothing learned. "
              "Try a lower --start-rate or --rates, or check the SLOs are reachable at all.")
         return 1
@@ -350,11 +364,13 @@ async def _run(args: argparse.Namespace) -> int:
     state = knee["engine_state"]
     values = learned_values(state, args.statistic, args.margin, knee["report"], prep.slo)
     if not values:
+        report(None)
         note(f"the engines' /metrics gave no KV usage or queue at the knee "
              f"({knee['offered']:g} req/s); nothing learned")
         return 1
     learned: dict[str, Any] = {**values, "provenance": provenance(
         sweep, state, args, prep.workload.source, len(urls))}
+    report(learned)
     print(f"knee: {sweep.knee:g} req/s; learned ({args.statistic} of the knee's engine state, "
           f"less {args.margin:.0%}): " + ", ".join(f"{k} {v}" for k, v in values.items()))
     overridden = [k for k in values if getattr(pool.admission, k) is not None]

@@ -1,7 +1,7 @@
 """PNG plots of a run (latencies over time) and of a sweep (percentiles and goodput vs load).
 
-matplotlib is imported only here and only when a plot is asked for: it takes ~0.5 s to import
-and is an optional dependency (`pip install 'llm-admission-gateway[plot]'`).
+matplotlib is imported only here (and in loadtest/html_report.py) and only when a plot is asked
+for: it takes ~0.5 s to import, which a run without plots need not pay.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from loadtest.report import Sample
 
-_MISSING = ("--plot needs matplotlib, which is not installed: pip install matplotlib "
-            "(or the project's 'plot' extra)")
+_MISSING = ("--plot and --report need matplotlib, a dependency of this project that is not "
+            "installed here: reinstall the project (`make` does) or pip install matplotlib")
 
 
 def require_matplotlib() -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.pricing import PriceError
+from loadtest import gateway_metrics
 from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
 from loadtest.report import SloError, parse_slo, render_text
 from loadtest.runner import (
@@ -113,6 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_price_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot latencies over the run (matplotlib)")
+    add_report_option(p)
+
+
+def add_report_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report", metavar="FILE.html",
+                   help="write one self-contained HTML report with the plots (no network "
+                        "needed to open it); a gateway target's decisions are read from its "
+                        "/metrics during the run")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +249,11 @@ async def _run(args: argparse.Namespace) -> int:
     urls = check_urls(args.urls)
     model = await resolve_model(urls, args.model, prep.headers)
     builder = make_builder(args, model)
-    report, outcome = await run_once(urls, model, builder, prep, args)
+    poller = await gateway_poller(urls, prep) if args.report else None
+    report, outcome = await run_once(urls, model, builder, prep, args,
+                                     runner_hook=poller.start if poller is not None else None)
+    if poller is not None:
+        await poller.final()
     print(render_text(report))
     for warning in warnings_for(report):
         note(f"warning: {warning}")
@@ -252,7 +265,21 @@ async def _run(args: argparse.Namespace) -> int:
 
         plot_run(outcome.samples, report, args.plot)
         note(f"plot written to {args.plot}")
+    if args.report:
+        from loadtest import html_report
+
+        html_report.write_run(args.report, report, outcome.samples,
+                              poller.rows if poller is not None else None)
+        note(f"report written to {args.report}")
     return 0
+
+
+async def gateway_poller(urls: list[str], prep: Prepared) -> gateway_metrics.Poller | None:
+    """A poller of the target's decisions when it is one gateway (not engines: they have
+    none)."""
+    if len(urls) == 1 and await gateway_metrics.is_gateway(urls[0]):
+        return gateway_metrics.Poller(urls[0], headers=prep.headers)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace,
                 main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> int:
     """Run a subcommand's coroutine; every error a user can cause becomes a message."""
-    if getattr(args, "plot", None):
+    if getattr(args, "plot", None) or getattr(args, "report", None):
         from loadtest.plot import require_matplotlib
 
         try:

@@ -26,7 +26,9 @@ from loadtest.run_cli import (
     Prepared,
     UsageError,
     add_load_options,
+    add_report_option,
     check_urls,
+    gateway_poller,
     make_builder,
     note,
     prepare,
@@ -64,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_price_options(p)
     p.add_argument("--out", metavar="FILE.json", help="write every step's report and the knee")
     p.add_argument("--plot", metavar="FILE.png", help="latency percentiles and goodput vs load")
+    add_report_option(p)
 
 
 def parse_rates(text: str) -> list[float] | None:
@@ -260,7 +263,16 @@ async def _run(args: argparse.Namespace) -> int:
     urls = check_urls(args.urls)
     model = await resolve_model(urls, args.model, prep.headers)
     builder = make_builder(args, model)
-    sweep = await run_sweep(urls, model, builder, prep, args, rates)
+    poller = await gateway_poller(urls, prep) if args.report else None
+    polling = poller.start() if poller is not None else None
+    try:
+        sweep = await run_sweep(urls, model, builder, prep, args, rates)
+    finally:
+        if polling is not None:
+            polling.cancel()
+            await asyncio.gather(polling, return_exceptions=True)
+    if poller is not None:
+        await poller.final()
     knee = sweep.knee
     if knee is None:
         print(f"knee: none: even the lowest rate kept SLO attainment under "
@@ -286,6 +298,13 @@ async def _run(args: argparse.Namespace) -> int:
                    cheapest=best["offered"] if best is not None else None,
                    currency=prep.pricing.currency if prep.pricing is not None else "USD")
         note(f"plot written to {args.plot}")
+    if args.report:
+        from loadtest import html_report
+
+        html_report.write_sweep(args.report, summary(sweep, prep, args),
+                                title=f"loadtest sweep: {model}, SLO {args.slo}",
+                                timeline=poller.rows if poller is not None else None)
+        note(f"report written to {args.report}")
     return 0
 
 

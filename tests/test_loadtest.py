@@ -10,8 +10,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     bearer,
@@ -72,7 +70,6 @@ def test_repeated_url_spreads_the_load_over_every_engine(start_sim: StartSim,
 
 
 def test_plot_of_a_run(start_sim: StartSim, tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
     with start_sim() as sim:
         done = loadtest("run", "--url", sim.url, *LOAD, "--concurrency", "2", "--max-requests",

@@ -182,7 +182,6 @@ def test_cheapest_is_the_lowest_cost_at_or_below_the_knee() -> None:
 
 
 def test_sweep_plot_marks_the_cheapest_load(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from loadtest.plot import plot_sweep
 
     steps = [_step(1, 100, 1.2), _step(2, 100, 0.6), _step(4, 99, 0.25), _step(8, 50, 0.4)]
