@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8080
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo overload test lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/gateway demo --port $(PORT)
+
+# The demo's engines past saturation, direct and through the gateway, side by side (its own
+# engines on free ports: a running `make demo` is not touched); the plots in overload.html.
+overload: $(STAMP)
+	$(BIN)/loadtest overload --report overload.html
 
 # tools/with-redis finds or starts a Redis and exports REDIS_URL for the suite.
 test: $(STAMP)

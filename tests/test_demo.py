@@ -27,6 +27,7 @@ def test_demo_serves_and_stops_everything(tmp_path: Path) -> None:
         printed = log.read_text()
         assert f"curl -sN http://127.0.0.1:{port}/v1/chat/completions" in printed
         assert 'OpenAI(base_url="http://127.0.0.1:' in printed
+        assert "make overload" in printed  # the one command that shows admission act
         client = openai_client(f"http://127.0.0.1:{port}")
         stream = client.chat.completions.create(
             model="qwen2.5-72b", max_tokens=8, stream=True,

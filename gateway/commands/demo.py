@@ -180,5 +180,10 @@ for chunk in stream:
 print()
 PY
 
+See admission act (in another terminal; about 80 s, with engines of its own): the demo's
+engines past saturation, direct and through the gateway, side by side, plots in overload.html:
+
+  make overload
+
 Readiness: {base}/readyz   Metrics: {base}/metrics   Stop: Ctrl-C
 """, flush=True)
