@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE.json", help="write both reports as JSON")
     p.add_argument("--only", choices=("direct", "gateway"),
                    help="run one side only (to look at it; no verdict)")
-    p.set_defaults(duration=25.0, drain=10.0, timeout=60.0, no_progress=True)
+    p.set_defaults(duration=20.0, drain=8.0, timeout=60.0, no_progress=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,11 +344,13 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 6
 STARTS = 3  # a free port can be taken by another process before ours binds it: try again
 
 
-def _start(cmd: Callable[[int], list[str]], health: str, tmp: Path, name: str,
-           procs: list[subprocess.Popen[bytes]]) -> str:
-    """Start `cmd(port)` on a free port and wait for `health`; its URL. Tries a new port when
-    the process exits while starting (the port was taken), at most STARTS times."""
-    for attempt in range(STARTS):
+def _start(cmds: list[Callable[[int], list[str]]], health: str, tmp: Path, name: str,
+           procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Start every `cmd(port)` on a free port, all at once, and wait for each one's `health`;
+    their URLs. One that exits while starting (its port was taken) is started again on a new
+    port, at most STARTS times."""
+
+    def launch(cmd: Callable[[int], list[str]]) -> tuple[subprocess.Popen[bytes], str, Path]:
         port = free_port()
         log = tmp / f"{name}-{port}.log"
         with open(log, "wb") as out:
@@ -356,14 +358,21 @@ def _start(cmd: Callable[[int], list[str]], health: str, tmp: Path, name: str,
                                     start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait(url + health, proc, log)
-            return url
-        except RuntimeError:
-            if proc.poll() is None or attempt == STARTS - 1:
-                raise
-    raise AssertionError("unreachable")
+        return proc, f"http://127.0.0.1:{port}", log
+
+    started = [launch(cmd) for cmd in cmds]
+    urls = []
+    for cmd, (proc, url, log) in zip(cmds, started, strict=True):
+        for attempt in range(STARTS):
+            try:
+                _wait(url + health, proc, log)
+                break
+            except RuntimeError:
+                if proc.poll() is None or attempt == STARTS - 1:
+                    raise
+                proc, url, log = launch(cmd)
+        urls.append(url)
+    return urls
 
 
 @contextlib.contextmanager
@@ -374,15 +383,15 @@ def stack(policy: Policy, pool_name: str, policy_path: str, tmp: Path, *,
     pool = policy.pools[pool_name]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        urls = [_start(lambda port: engine_cmd(policy, pool, port), "/health", tmp, "engine",
-                       procs) for _ in pool.backends]
+        urls = _start([lambda port: engine_cmd(policy, pool, port)] * len(pool.backends),
+                      "/health", tmp, "engine", procs)
         gw = None
         if gateway:
             path = tmp / f"policy-{len(procs)}.yaml"
             path.write_text(policy_for(policy_path, pool_name, urls))
-            gw = _start(lambda port: [sys.executable, "-m", "gateway", "serve", "--policy",
-                                      str(path), "--port", str(port), "--log-level", "warning"],
-                        "/readyz", tmp, "gateway", procs)
+            gw = _start([lambda port: [sys.executable, "-m", "gateway", "serve", "--policy",
+                                       str(path), "--port", str(port), "--log-level",
+                                       "warning"]], "/readyz", tmp, "gateway", procs)[0]
         yield urls, gw
     finally:
         for p in procs:

@@ -180,7 +180,7 @@ for chunk in stream:
 print()
 PY
 
-See admission act (in another terminal; about 80 s, with engines of its own): the demo's
+See admission act (in another terminal; about a minute, with engines of its own): the demo's
 engines past saturation, direct and through the gateway, side by side, plots in overload.html:
 
   make overload
