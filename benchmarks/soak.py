@@ -342,8 +342,8 @@ class Cluster:
                 "invalid": metric(scrape(g.url), "gateway_policy_reloads_total",
                                   result="invalid")}
 
-    def rss(self) -> list[int | None]:
-        return [rss_bytes(g.process.pid) for g in self.gateways]
+    def rss(self, field: str = "VmRSS") -> list[int | None]:
+        return [rss_bytes(g.process.pid, field) for g in self.gateways]
 
     def cpu_s(self) -> float:
         """CPU seconds used by the processes started here, those killed on the way included."""
@@ -354,10 +354,12 @@ class Cluster:
         return self.dead_cpu_s + sum(cpu_seconds(p) for p in pids)
 
 
-def rss_bytes(pid: int) -> int | None:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """VmRSS (all resident pages), or RssAnon (the heap and other private memory: what a
+    leak grows; file-backed pages come and go with the kernel's reclaim) of a process."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -387,7 +389,7 @@ class Sampler:
         self.cluster = cluster
         self.interval_s = interval_s
         self.max_samples = max_samples
-        self.rows: list[tuple[float, list[int | None], float]] = []
+        self.rows: list[tuple[float, list[int | None], list[int | None], float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.t0 = time.monotonic()
@@ -402,11 +404,13 @@ class Sampler:
 
     def _run(self) -> None:
         while len(self.rows) < self.max_samples and not self._stop.wait(self.interval_s):
-            self.rows.append((time.monotonic() - self.t0, self.cluster.rss(), os.getloadavg()[0]))
+            self.rows.append((time.monotonic() - self.t0, self.cluster.rss(),
+                              self.cluster.rss("RssAnon"), os.getloadavg()[0]))
 
-    def peak(self, i: int, since: float) -> int | None:
-        values = [r[1][i] for r in self.rows if r[0] >= since and r[1][i] is not None]
-        return max(values) if values else None  # type: ignore[type-var]
+    def peak(self, i: int, since: float, anon: bool = False) -> int | None:
+        values = [v for t, vm, an, _ in self.rows if t >= since
+                  and (v := (an if anon else vm)[i]) is not None]
+        return max(values) if values else None
 
 
 # --- what the state and the replicas hold ---------------------------------------------------
@@ -517,6 +521,7 @@ class Checkpoint:
     scrapes: list[Samples]
     late_s: list[float | None]
     rss: list[int | None]
+    anon: list[int | None]
 
 
 def checkpoint(cluster: Cluster, t0: float, quiet_timeout: float) -> Checkpoint:
@@ -528,7 +533,7 @@ def checkpoint(cluster: Cluster, t0: float, quiet_timeout: float) -> Checkpoint:
         state = read_redis(cluster.redis.url, cluster.quotas)
     scrapes = [scrape(u) for u in cluster.gateway_urls]
     return Checkpoint(time.monotonic() - t0, ok, round(waited, 2), values, state, scrapes,
-                      cluster.late_s(), cluster.rss())
+                      cluster.late_s(), cluster.rss(), cluster.rss("RssAnon"))
 
 
 def charged(scrapes: list[Samples], tenant: str) -> float:
@@ -635,8 +640,10 @@ def count(values: list[str]) -> dict[str, int]:
 
 async def slow_reader(port: int, i: int, max_tokens: int, bound_s: float, leave: bool,
                       tenant: str = "alpha") -> dict[str, Any]:
-    """A stream read 1 KiB every half second through a 4 KiB receive buffer, so the replica
-    meets backpressure; after `bound_s` it leaves (`leave`) or reads the rest at full speed."""
+    """A stream read 1 KiB every half second through a 4 KiB receive buffer; after `bound_s`
+    it leaves (`leave`) or reads the rest at full speed. An answer smaller than the socket
+    buffers (600 tokens: ~134 KB) reaches them at the engine's pace, so the replica finishes
+    and releases early; a reader that leaves before that is a disconnect mid-stream."""
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
                        "ignore_eos": True, "min_tokens": max_tokens,
                        "messages": [{"role": "user", "content": "tell a long story " * 20}]})
@@ -917,6 +924,7 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
     ours0, c0 = cluster.cpu_s() + time.process_time(), time.monotonic()
     offset = 0
     start_rss: list[int | None] = []
+    start_anon: list[int | None] = []
     start_t = 0.0
     with Sampler(cluster) as sampler:
         try:
@@ -926,7 +934,10 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
                                   duration_s=w.length_s, max_requests=100_000,
                                   drain_s=cfg.drain_s, max_in_flight=2000)
                 requests = SoakRequests(builder, workload, offset, k)
-                runner = Alternating(clients, requests, shape, seed=cfg.seed + k)
+                # One arrival seed for every window: each offers the same sequence of
+                # arrivals (its lengths and prompts are its own), so a fault window's goodput
+                # is compared with the calm windows' on the same offer, not on Poisson luck.
+                runner = Alternating(clients, requests, shape, seed=cfg.seed)
                 print(f"{w.name}: {w.length_s:.0f} s at {rate:.2f} req/s", flush=True)
                 started = time.monotonic()
                 fault = asyncio.create_task(run_fault(w, cluster, started, note)) \
@@ -937,7 +948,7 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
                     observed = await asyncio.wait_for(fault, 300)
                 point = await asyncio.to_thread(checkpoint, cluster, t0, cfg.quiet_timeout_s)
                 if w.kind == "warmup":
-                    start_rss, start_t = point.rss, point.t
+                    start_rss, start_anon, start_t = point.rss, point.anon, point.t
                 rows.append(window_row(k, w, outcome, offset, cfg, points[-1], point,
                                        cluster.quotas, observed,
                                        [g.log_path for g in cluster.gateways]))
@@ -960,6 +971,8 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
             "rss_peak_mib": (sampler.peak(i, start_t) or 0) / MIB,
             "rss_end_mib": e / MIB if e else None,
             "rss_end_vs_start_pct": 100.0 * (e - s0) / s0 if e and s0 else None,
+            **anon_figures(start_anon[i] if start_anon else None,
+                           sampler.peak(i, start_t, anon=True), end.anon[i]),
             "loop_lag_p99_ms": lag_p99_ms(points[1].scrapes[i], end.scrapes[i]),
             "statuses": diff(by_label(points[1].scrapes[i], "gateway_requests_total", "status"),
                              by_label(end.scrapes[i], "gateway_requests_total", "status")),
@@ -970,7 +983,7 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
         })
     wall = end.t - points[1].t
     machine: dict[str, Any] = {
-        "cores": os.cpu_count(), "loadavg_samples": [r[2] for r in sampler.rows],
+        "cores": os.cpu_count(), "loadavg_samples": [r[3] for r in sampler.rows],
         "cpu_busy_cores": (busy1 - busy0) / max(1e-9, (total1 - total0)) * (os.cpu_count() or 1),
         "ours_cores": ours / max(1e-9, time.monotonic() - c0),
         "engines_late_s_max": max((x for p in points for x in p.late_s if x is not None),
@@ -979,7 +992,15 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
     machine["others_cores"] = machine["cpu_busy_cores"] - machine["ours_cores"]
     return {"rate": rate, "windows": rows, "events": events, "replicas": replicas,
             "redis_after": end.redis, "quiet_after": end.quiet, "wall_s": wall,
-            "machine": machine, "rss_samples": [(round(t, 1), r) for t, r, _ in sampler.rows]}
+            "machine": machine,
+            "rss_samples": [(round(t, 1), r, a) for t, r, a, _ in sampler.rows]}
+
+
+def anon_figures(start: int | None, peak: int | None, end: int | None) -> dict[str, Any]:
+    return {"anon_start_mib": start / MIB if start else None,
+            "anon_peak_mib": peak / MIB if peak else None,
+            "anon_end_mib": end / MIB if end else None,
+            "anon_end_vs_start_pct": 100.0 * (end - start) / start if end and start else None}
 
 
 def log_problems(path: Path, limit: int = 12) -> dict[str, Any]:
@@ -1039,7 +1060,9 @@ def window_row(k: int, w: Window, outcome: Outcome, offset: int, cfg: Config,
         "good": good, "goodput": good / w.length_s,
         "request_goodput_vllm": rep["request_goodput"],
         "attainment_pct": rep["slo_attainment_pct"],
+        "median_ttft_ms": rep.get("median_ttft_ms"), "median_tpot_ms": rep.get("median_tpot_ms"),
         "p99_ttft_ms": rep.get("p99_ttft_ms"), "p99_tpot_ms": rep.get("p99_tpot_ms"),
+        "max_chunk_gap_ms": rep["max_chunk_gap_ms"],
         "failures": [{"id": f"soak-{k}-{s.index}", "status": s.result.status,
                       "error": (s.result.error or "")[:300],
                       "log": log_lines(logs, f"soak-{k}-{s.index}")} for s in failures[:10]],
@@ -1078,11 +1101,15 @@ def short_line(row: dict[str, Any]) -> str:
             f"(attainment {_num(row['attainment_pct'])}%); loop lag P99 {lag} ms; quiet after "
             f"{row['quiet_wait_s']:.1f} s ({'yes' if row['quiet'] else 'NO'}); "
             f"Redis held {row['redis_held_after']}; ledger drift "
-            + ", ".join(f"{t} {_num(v.get('drift'))}" for t, v in row["ledger"].items()))
+            + ", ".join(f"{t} {_tokens(v.get('drift'))}" for t, v in row["ledger"].items()))
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else ("inf" if math.isinf(x) else f"{x:g}")
+
+
+def _tokens(x: float | None) -> str:
+    return "-" if x is None else f"{round(x):d}"
 
 
 def _num(x: Any, digits: int = 1) -> str:
@@ -1124,11 +1151,16 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
                             f"holds left: {held_q or 'none'}",
                 "met": bool(judged) and not held_q})
     for g in result["replicas"]:
-        pct = g["rss_end_vs_start_pct"]
-        out.append({"goal": f"replica {g['name']}: RSS at the end within 10% of the start",
-                    "measured": f"{_num(g['rss_start_mib'])} -> {_num(g['rss_end_mib'])} MiB "
-                                f"({_num(pct)}%), peak {_num(g['rss_peak_mib'])} MiB",
-                    "met": pct is not None and pct <= 10.0})
+        for what, key in (("RSS (VmRSS)", "rss"), ("anonymous RSS (RssAnon)", "anon")):
+            pct = g.get(f"{key}_end_vs_start_pct")
+            out.append({
+                "goal": f"replica {g['name']}: {what} at the end within 10% of the start",
+                "measured": f"{_num(g.get(f'{key}_start_mib'))} -> "
+                            f"{_num(g.get(f'{key}_end_mib'))} MiB ({_num(pct)}%), peak "
+                            f"{_num(g.get(f'{key}_peak_mib'))} MiB"
+                            + (" (it fell: memory given back to the OS, not grown)"
+                               if pct is not None and pct < -10 else ""),
+                "met": pct is not None and abs(pct) <= 10.0})
     for g in result["replicas"]:
         out.append({"goal": f"replica {g['name']}: event-loop lag P99 (reported)",
                     "measured": f"<= {_ms(g['loop_lag_p99_ms'])} ms", "met": None})
@@ -1147,27 +1179,31 @@ def goodput_table(result: dict[str, Any]) -> list[dict[str, Any]]:
 def render(result: dict[str, Any]) -> str:
     lines: list[str] = []
     add = lines.append
-    add(f"\nSoak: {result['config']['minutes']:g} min of windows at {result['rate']:.2f} req/s "
-        f"({result['config']['rate_source']}), wall {result['wall_s'] / 60:.1f} min after the "
-        "warm-up")
+    sending = sum(r["length_s"] for r in result["windows"] if r["kind"] != "warmup")
+    add(f"\nSoak: {sending / 60:.1f} min of sending at {result['rate']:.2f} req/s "
+        f"({result['config']['rate_source']}) in {result['wall_s'] / 60:.1f} min of wall time "
+        "after the warm-up (the rest: each window's drain and the wait for quiet)")
     add(f"{'window':<15}{'s':>5}{'sent':>6}{'200':>6}{'cut':>5}{'429':>5}{'503':>5}"
-        f"{'5xx':>5}{'other':>6}{'good/s':>8}{'SLO%':>7}{'lag A/B ms':>12}{'quiet s':>8}"
+        f"{'5xx':>5}{'other':>6}{'good/s':>8}{'SLO%':>7}{'gap s':>7}{'lag A/B ms':>12}"
+        f"{'quiet s':>8}"
         f"{'held':>6}  ledger drift (alpha, beta)")
     for r in result["windows"]:
         o = r["outcomes"]
         known = o.get("200", 0) + o.get("200 cut", 0) + o.get("429", 0) + o.get("503", 0) \
             + r["failure_count"]
-        drift = ", ".join(f"{_num(v.get('drift'), 0)}{'' if v.get('exact') else '*'}"
+        drift = ", ".join(f"{_tokens(v.get('drift'))}{'' if v.get('exact') else '*'}"
                           for v in r["ledger"].values())
         add(f"{r['name']:<15}{r['length_s']:>5.0f}{r['sent']:>6}{o.get('200', 0):>6}"
             f"{o.get('200 cut', 0):>5}{o.get('429', 0):>5}{o.get('503', 0):>5}"
             f"{r['failure_count']:>5}{r['sent'] - known:>6}{r['goodput']:>8.2f}"
-            f"{_num(r['attainment_pct']):>7}"
+            f"{_num(r['attainment_pct']):>7}{r['max_chunk_gap_ms'] / 1000:>7.1f}"
             f"{'/'.join(_ms(x) for x in r['loop_lag_p99_ms']):>12}"
             f"{r['quiet_wait_s']:>8.1f}{r['redis_held_after']:>6}  {drift}")
-    add("(cut: a 200 stream that ended before [DONE]; other: client-side errors, see "
-        "`outcomes`; held: leases + blocks + tokens + tenant shares left in Redis once both "
-        "replicas were quiet; * ledger not judged: a Redis fault, or a bucket near full)")
+    add("(cut: a 200 stream that ended before [DONE]; other: client-side errors and streams "
+        "the gateway ended with an error frame, see `outcomes`; gap: the longest silence "
+        "within a completed stream; held: leases + blocks + tokens + tenant shares left in "
+        "Redis once both replicas were quiet; * ledger not judged: a Redis fault, or a bucket "
+        "near full)")
     add(f"\nGoodput, fault windows against the calm windows' median "
         f"({_num(result['calm_goodput_median'], 2)}/s):")
     for g in result["goodput"]:
@@ -1175,7 +1211,9 @@ def render(result: dict[str, Any]) -> str:
     add("\nReplicas:")
     for g in result["replicas"]:
         add(f"  {g['name']}: RSS {_num(g['rss_start_mib'])} -> peak {_num(g['rss_peak_mib'])} "
-            f"-> end {_num(g['rss_end_mib'])} MiB ({_num(g['rss_end_vs_start_pct'])}%); "
+            f"-> end {_num(g['rss_end_mib'])} MiB ({_num(g['rss_end_vs_start_pct'])}%), "
+            f"anonymous {_num(g['anon_start_mib'])} -> {_num(g['anon_peak_mib'])} -> "
+            f"{_num(g['anon_end_mib'])} MiB ({_num(g['anon_end_vs_start_pct'])}%); "
             f"loop lag P99 <= {_ms(g['loop_lag_p99_ms'])} ms; statuses "
             f"{ {k: int(v) for k, v in g['statuses'].items()} }; tracebacks in log "
             f"{g['log_problems']['tracebacks']}")
