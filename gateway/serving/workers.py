@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
@@ -90,16 +91,22 @@ def run(workers: int, host: str, port: int, target: Worker,
             p.start()
         log.info("gateway: %d workers on %s:%d, metrics merged from %s", workers, host, port,
                  path)
+        stop_by = float("inf")
         while True:
-            ended = wait([p.sentinel for p in procs], timeout=0.2)
+            # Only the live workers' sentinels: an exited one is ready for ever, and waiting
+            # on it spun this loop at full CPU while a stuck worker would not stop.
+            live = [p.sentinel for p in procs if p.is_alive()]
+            ended = wait(live, timeout=0.2) if live else []
             while pending:
                 signum = pending.pop(0)
                 if signum != signal.SIGHUP:
                     stopping = True
                 _send(procs, signal.SIGHUP if signum == signal.SIGHUP else signal.SIGTERM)
-            if stopping and all(not p.is_alive() for p in procs):
-                break
-            if ended and not stopping:
+            if stopping:
+                stop_by = min(stop_by, time.monotonic() + STOP_TIMEOUT_S)
+            if stopping and (not live or time.monotonic() > stop_by):
+                break  # the finally kills a worker that did not stop in time
+            if (ended or len(live) < len(procs)) and not stopping:  # a worker exited
                 dead = [p for p in procs if not p.is_alive()]
                 log.error("gateway: worker %s exited with %s; stopping the others",
                           dead[0].pid, dead[0].exitcode)
