@@ -6,9 +6,10 @@ Starlette's middleware would otherwise wrap `send` for every streamed chunk.
 
 The lifespan holds what lives as long as the process: the aiohttp session, the state backend,
 the tokenizers, and the background tasks of the runtime in force (health prober, engine
-scraper, admission ticks) plus the event-loop lag monitor. After start-up it freezes the
-garbage collector's view of everything built so far, so a full collection no longer walks the
-tokenizers, the policy and the imported modules while streams wait.
+scraper, admission ticks) plus the event-loop lag monitor and the heap keeper, which freezes
+what survives out of the garbage collector's view (start-up's tables, and every second the
+open streams' objects), so collections no longer walk them while streams wait
+(gateway/serving/heap.py).
 
 A reload (SIGHUP or POST /admin/reload) validates the new file, builds a new Runtime on the
 same session, state and tokenizers, and swaps it in with one assignment. In-flight requests
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -43,6 +43,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime, build_runtime, load_counters, make_session
+from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
 
 log = logging.getLogger("gateway.app")
@@ -149,23 +150,26 @@ class GatewayApp:
         rt = await self._build(self.policy, counters, None)
         self._install(rt, None)
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
-        gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
-        if gc_every > 0:  # benchmarks: force full collections to measure their stall
-            self._tasks_debug = asyncio.create_task(_every(gc_every, gc.collect), name="gc")
         self.metrics.install_gc_callback()
-        gc.collect()
-        gc.freeze()
+        heap = HeapKeeper(self.metrics, self.policy.server.gc_freeze_interval_s,
+                          self.policy.server.gc_sweep_interval_s)
+        heap.settle()
+        gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
+        if gc_every > 0:  # benchmarks: force full collections (sweeps) to measure their stall
+            self._tasks_debug = asyncio.create_task(_every(gc_every, heap.sweep), name="gc")
+        keeper = asyncio.create_task(heap.run(), name="heap")
         log.info("gateway ready: %d pool(s), %d backend(s)", len(rt.backends.pools),
                  sum(1 for _ in rt.backends.all()))
         try:
             yield
         finally:
             lag.cancel()
+            keeper.cancel()
             if self._tasks_debug is not None:
                 self._tasks_debug.cancel()
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(lag, *self._tasks, return_exceptions=True)
+            await asyncio.gather(lag, keeper, *self._tasks, return_exceptions=True)
             self.metrics.remove_gc_callback()
             await self._session.close()
             await self._state.close()

@@ -21,6 +21,7 @@ import aiohttp
 
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import BackendSpec, Policy, PoolSpec
+from gateway.serving.heap import forget
 
 log = logging.getLogger("gateway.backends")
 
@@ -142,6 +143,7 @@ class Backends:
                 ok, detail = resp.status == 200, f"HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, detail = False, type(exc).__name__
+            forget(exc)  # a down backend's every probe would leave a cycle for the sweep
         if ok != b.probe_ok:
             log.warning("backend %s/%s is %s (%s)", b.pool, b.name, "up" if ok else "down",
                         detail)

@@ -27,6 +27,7 @@ from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
 from gateway.routing import Router
+from gateway.serving.heap import forget
 
 log = logging.getLogger("gateway.proxy")
 
@@ -160,8 +161,10 @@ class Forwarder:
                 return resp.status, answer, resp.headers.get("content-type", "application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("engine %s/%s: %s", backend.pool, backend.name, _describe(exc))
+            public = _public(exc)
+            forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` could not answer "
-                                f"({_public(exc)}).", backend=backend.name) from None
+                                f"({public}).", backend=backend.name) from None
 
     async def _open(self, up: Upstream, backend: Backend
                     ) -> tuple[aiohttp.ClientResponse | None, str]:
@@ -178,9 +181,12 @@ class Forwarder:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
             # engine did not start on this request, so another backend may take it.
             self.backends.record_failure(backend, "connect", _describe(exc))
-            return None, _public(exc)
-        except TimeoutError:
+            public = _public(exc)
+            forget(exc)
+            return None, public
+        except TimeoutError as exc:
             self.backends.record_failure(backend, "timeout", "connect timeout")
+            forget(exc)
             return None, "connect timeout"
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
@@ -225,8 +231,10 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
             self.backends.record_failure(backend, kind, _describe(exc))
+            public = _public(exc)
+            forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` broke off its answer "
-                                f"({_public(exc)}).", backend=backend.name) from None
+                                f"({public}).", backend=backend.name) from None
 
     async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
@@ -279,6 +287,7 @@ class Forwarder:
             self.backends.record_failure(backend, kind, _describe(exc))
             ex.error = f"upstream {kind}: {_describe(exc)}"
             ex.status = 502
+            forget(exc)
             resp.close()  # do not return a half-read connection to the pool
             await send({"type": "http.response.body", "more_body": False,
                         "body": sse_error_frame(

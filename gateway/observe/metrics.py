@@ -109,8 +109,21 @@ class GatewayMetrics:
             "gateway_gc_pause_seconds", "Garbage-collection pauses, by generation.",
             ["generation"], buckets=LAG_BUCKETS, registry=r)
         self._gc_children = [self.gc_pause.labels(str(g)) for g in range(3)]
-        # (generation, seconds) of collections not yet observed; bounded, should no tick come
-        self._gc_pauses: deque[tuple[int, float]] = deque(maxlen=4096)
+        # What collections find: the request path makes no cyclic garbage (issue 21), so a
+        # rate above zero here says some path started to, which the heap keeper's freezing
+        # would hide until its next sweep (gateway/serving/heap.py).
+        self.gc_collected = Counter(
+            "gateway_gc_collected_objects_total",
+            "Unreachable objects garbage collections found and freed, by generation.",
+            ["generation"], registry=r)
+        self._gc_collected_children = [self.gc_collected.labels(str(g)) for g in range(3)]
+        self.gc_frozen = Gauge(
+            "gateway_gc_frozen_objects",
+            "Objects in the permanent generation, which collections do not traverse.",
+            registry=r, multiprocess_mode="livesum")
+        # (generation, seconds, collected) of collections not yet observed; bounded, should
+        # no tick come
+        self._gc_pauses: deque[tuple[int, float, int]] = deque(maxlen=4096)
         # --- admission ---
         self.admission_decisions = Counter(
             "gateway_admission_decisions_total",
@@ -262,7 +275,8 @@ class GatewayMetrics:
             if phase == "start":
                 started[0] = time.thread_time()
             else:
-                pauses.append((info["generation"], time.thread_time() - started[0]))
+                pauses.append((info["generation"], time.thread_time() - started[0],
+                               info["collected"]))
 
         gc.callbacks.append(on_gc)
         self._gc_callback = on_gc
@@ -271,8 +285,10 @@ class GatewayMetrics:
         """Observe the collections noted since the last call (the loop-lag monitor's tick)."""
         pauses = self._gc_pauses
         while pauses:
-            generation, seconds = pauses.popleft()
+            generation, seconds, collected = pauses.popleft()
             self._gc_children[generation].observe(seconds)
+            if collected:
+                self._gc_collected_children[generation].inc(collected)
 
     def remove_gc_callback(self) -> None:
         cb = getattr(self, "_gc_callback", None)

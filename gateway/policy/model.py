@@ -308,6 +308,11 @@ class ServerSpec(Strict):
     # Prompts shorter than this (characters) are counted on the event loop, not in a worker
     # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 0: never.
     inline_tokenize_chars: Annotated[int, Field(ge=0)] = 512
+    # Garbage collection (gateway/serving/heap.py): every this many seconds what survived is
+    # frozen out of later collections (0: off, Python's own thresholds over the whole heap);
+    # every gc_sweep_interval_s everything is unfrozen and collected once in full.
+    gc_freeze_interval_s: Annotated[float, Field(ge=0)] = 0.1
+    gc_sweep_interval_s: PositiveFloat = 600.0
 
 
 Priority = Literal["critical", "standard", "sheddable"]

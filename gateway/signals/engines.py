@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.serving.heap import forget
+
 log = logging.getLogger("gateway.signals")
 
 # quantity -> metric names, newest first. A quantity is read from the first name present on the
@@ -235,7 +237,8 @@ class EngineScraper:
                 if r.status != 200:
                     return None
                 text = await r.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            forget(exc)
             return None
         sample = parse_engine_metrics(text, engine, self.clock())
         self.samples[(pool, backend)] = sample
