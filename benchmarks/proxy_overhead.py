@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import importlib.metadata
+import itertools
 import math
 import os
 import platform
@@ -46,11 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import orjson
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loadtest.client import (  # noqa: E402  (after the path fix, so it runs from a checkout)
     LoopLagProbe,
+    RequestSpec,
     StreamClient,
     chat_request,
 )
@@ -63,6 +67,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 LEGACY_PROXY_CHUNKS_S = 1400.0  # the most used Python LLM proxy on this machine (issue 2)
 MODEL = "bench-model"
 PROMPT = ["Say hello."]  # the user message every request sends; --prompt-words sets it
+HISTORY = ["same"]  # --history: how requests' prompts relate to each other
+HISTORY_TURNS = 8   # --history seen: the shared history's user/assistant turns
+_SERIAL = itertools.count()  # unique across runs: the gateway's piece cache outlives a run
 
 POLICY = """\
 models:
@@ -79,6 +86,10 @@ models:
 server:
   stage_metrics: {stages}
   inline_tokenize_chars: {inline}
+  gc_freeze_interval_s: {freeze}
+defaults:
+  slo:
+    tpot_p95_s: {tpot}
 """
 # The gateway as users run it: the model's exact tokenizer and chat template, admission in its
 # default mode over the model's KV ledger, the access log on; and the floor, tokenizer `none`.
@@ -358,21 +369,50 @@ def client_gc_quiet() -> None:
     gc.freeze()
 
 
+def prompt_requests(tokens: int, extra: dict[str, float]) -> FixedRequests:
+    """Part A's requests, by `--history`.
+
+    same: every request sends the same user message (the piece cache holds it after the first);
+    fresh: each request's message starts with a serial number, so its whole text is new to the
+    gateway (a history never seen); seen: a fixed history of HISTORY_TURNS user/assistant turns
+    (the words of --prompt-words shared among them) and a new short question each request, as a
+    conversation's next turn is (the earlier turns' pieces are cached, the question is not).
+    """
+    if HISTORY[0] == "same":
+        return FixedRequests(chat_request(MODEL, PROMPT[0], tokens, extra=extra))
+    if HISTORY[0] == "fresh":
+        return FixedRequests(lambda i: chat_request(
+            MODEL, f"Request {next(_SERIAL)}. {PROMPT[0]}", tokens, extra=extra))
+    words = PROMPT[0].split(" ")
+    per_turn = max(1, len(words) // (2 * HISTORY_TURNS))
+    history = [{"role": ("user", "assistant")[k % 2],
+                "content": " ".join(words[k * per_turn:(k + 1) * per_turn])}
+               for k in range(2 * HISTORY_TURNS)]
+
+    def next_turn(i: int) -> RequestSpec:
+        body = {"model": MODEL, "max_tokens": tokens, "stream": True,
+                "stream_options": {"include_usage": True}, **extra,
+                "messages": [*history, {"role": "user",
+                                        "content": f"Question {next(_SERIAL)}: and then?"}]}
+        return RequestSpec("/v1/chat/completions", orjson.dumps(body),
+                           {"content-type": "application/json"})
+    return FixedRequests(next_turn)
+
+
 async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, duration_s: float,
                    ttft_ms: float, itl_ms: float) -> TtftRun:
-    spec = chat_request(MODEL, PROMPT[0], tokens,
-                        extra={"stub_ttft_ms": ttft_ms, "stub_itl_ms": itl_ms})
+    requests = prompt_requests(tokens, {"stub_ttft_ms": ttft_ms, "stub_itl_ms": itl_ms})
     one_request_s = (ttft_ms + (tokens - 1) * itl_ms) / 1e3
     async with StreamClient(t.url, connections=streams * 2) as client:
         # Warm-up: open the connections (through the proxy too) before anything is timed.
-        await Runner([client], FixedRequests(spec), LoadShape(
+        await Runner([client], requests, LoadShape(
             concurrency=streams, max_requests=streams, duration_s=10,
             ramp_s=one_request_s / 2)).run()
         client_gc_quiet()
         before = metrics_text(t.url) if t.metrics else None
         s0 = snapshot(engine, t.proc)
         async with LoopLagProbe() as lag:
-            run = await Runner([client], FixedRequests(spec), LoadShape(
+            run = await Runner([client], requests, LoadShape(
                 concurrency=streams, max_requests=1_000_000, duration_s=duration_s,
                 ramp_s=one_request_s)).run()
         usage = Usage.between(s0, snapshot(engine, t.proc))
@@ -558,9 +598,12 @@ async def retried(args: argparse.Namespace, label: str,
 
 async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
                  out: Report) -> None:
-    streams, ttft_ms, itl_ms = args.streams, 50.0, 20.0
+    streams, ttft_ms, itl_ms = args.streams, 50.0, args.itl_ms
+    prompt = (f"user message of {args.prompt_words} words" if args.prompt_words
+              else "'Say hello.'")
     out(f"## A. TTFT overhead: {streams} concurrent streams, engine {ttft_ms:g} ms TTFT / "
-        f"{itl_ms:g} ms per token, {args.tokens} tokens per request")
+        f"{itl_ms:g} ms per token, {args.tokens} tokens per request, {prompt}, history "
+        f"`{args.history}`")
     out()
     out(f"{args.repeats} repeats of {args.ttft_s:g} s per target, order rotated each repeat; "
         "figures are medians over repeats; deltas are paired with the direct run of the same "
@@ -696,7 +739,8 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
         "alternated")
     out()
     rows = []
-    stall_targets = [t for t in targets if t.name in ("direct", "gateway")]
+    stall_targets = [t for t in targets
+                     if t.name in ("direct", "gateway", "shipped", "shipped-nofreeze")]
     for rep in range(args.stall_repeats):
         order = stall_targets if rep % 2 == 0 else list(reversed(stall_targets))
         for t in order:
@@ -799,11 +843,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=0,
                    help="each request's user message: this many distinct words (default: "
                         "'Say hello.', ~25 prompt tokens with the chat template)")
+    p.add_argument("--history", choices=("same", "fresh", "seen"), default="same",
+                   help="part A: same (one prompt for all), fresh (every prompt new), seen "
+                        f"(a shared {HISTORY_TURNS}-turn history, then a new question)")
+    p.add_argument("--itl-ms", type=float, default=20.0,
+                   help="part A: the engine's time per token (longer for 1,000 streams, so "
+                        "the chunk rate stays one worker's)")
     p.add_argument("--targets", default="gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway (tokenizer none: the floor), "
                         "shipped (exact tokenizer and template, admission, access log), "
                         "shipped-nostages (the same without the stage histogram), "
-                        "shipped-noinline (every prompt counted in a worker thread), aiohttp, "
+                        "shipped-noinline (every prompt counted in a worker thread), "
+                        "shipped-nofreeze (Python's own GC thresholds, no heap keeper), aiohttp, "
                         "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
@@ -865,6 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
     if args.prompt_words:  # distinct words: roughly 1.5-2 tokens each with this vocabulary
         PROMPT[0] = " ".join(f"w{i} item" for i in range(args.prompt_words // 2))
+    HISTORY[0] = args.history
     context = machine_context()
     py = sys.executable
     started = time.time()
@@ -876,13 +928,19 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages, inline in (
-                ("floor", FLOOR, "true", 512), ("shipped", SHIPPED, "true", 512),
-                ("shipped-nostages", SHIPPED, "false", 512),
-                ("shipped-noinline", SHIPPED, "true", 0)):
+        for kind, fields, stages, inline, freeze in (
+                ("floor", FLOOR, "true", 512, 0.1), ("shipped", SHIPPED, "true", 512, 0.1),
+                ("shipped-nostages", SHIPPED, "false", 512, 0.1),
+                ("shipped-noinline", SHIPPED, "true", 0, 0.1),
+                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0)):
             policies[kind] = work / f"policy-{kind}.yaml"
-            policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url,
-                                                    stages=stages, inline=inline, **fields))
+            # The SLO the planner derives the latency guard from: the default 60 ms per token,
+            # or twice the stub's token interval when --itl-ms is longer, so the guard does
+            # not hold back an engine that is slow by the benchmark's design.
+            tpot = max(0.06, 2 * args.itl_ms / 1e3)
+            policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url, tpot=tpot,
+                                                    stages=stages, inline=inline,
+                                                    freeze=freeze, **fields))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
@@ -892,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
 
         start_gc_gateway = None
         for name in wanted:
-            if name in ("shipped", "shipped-nostages", "shipped-noinline"):
+            if name in ("shipped", "shipped-nostages", "shipped-noinline", "shipped-nofreeze"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
             elif name == "gateway":
