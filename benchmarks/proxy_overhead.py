@@ -80,6 +80,13 @@ models:
     engine: openai
     models: [{model}]
     max_model_len: 32768
+    # The stub is not a GPU: capacity enough that admission decides every request, with
+    # its reservations, but never binds (an 8B model's planner limits would queue ten
+    # 16K-token prompts, and the latency guard a stub slower per token than the SLO).
+    kv_blocks: 4000000
+    admission:
+      prefill_tokens_max: 1000000000
+      inflight_tokens_max: 1000000000
     backends:
       - name: stub-0
         url: {engine}
@@ -849,7 +856,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--itl-ms", type=float, default=20.0,
                    help="part A: the engine's time per token (longer for 1,000 streams, so "
                         "the chunk rate stays one worker's)")
-    p.add_argument("--targets", default="gateway,aiohttp,httpx",
+    p.add_argument("--targets", default="shipped,gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway (tokenizer none: the floor), "
                         "shipped (exact tokenizer and template, admission, access log), "
                         "shipped-nostages (the same without the stage histogram), "
