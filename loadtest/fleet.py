@@ -158,6 +158,30 @@ class FleetResult:
             "preemptions": self.preemptions,
         }
 
+    def steady(self) -> dict[str, float | int | None]:
+        """The second half of the arrivals, per second of it: the fleet in its steady state,
+        without the empty engines of the start or the drain's tail (which `figures`, as a
+        `loadtest run` does, charges to the run)."""
+        end = self.outcomes[-1].job.at if self.outcomes else 0.0
+        half = end / 2
+        part = [o for o in self.outcomes if o.job.at >= half]
+        met = {id(o) for o in self._met()}
+        good = [o for o in part if id(o) in met]
+        ok = [o for o in part if o.kind == "ok"]
+        span = (end - half) or math.nan
+        ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+        tpots = sorted(o.tpot_s for o in ok if o.tpot_s is not None)
+        return {
+            "window_s": end - half, "sent": len(part), "good": len(good),
+            "offered_rate": len(part) / span, "good_rate": len(good) / span,
+            "slo_attainment_pct": 100.0 * len(good) / len(part) if part else None,
+            "rejection_rate_pct": 100.0 * sum(1 for o in part if o.kind == "rejected")
+            / len(part) if part else None,
+            "p99_ttft_s": _pct(ttfts, 99), "p99_tpot_s": _pct(tpots, 99),
+            "good_tokens": sum(o.job.prompt_tokens + o.job.output_tokens for o in good),
+            "mean_output_tokens": sum(o.job.output_tokens for o in ok) / len(ok) if ok else 0.0,
+        }
+
     def served_rate(self) -> float:
         """Requests a second that got their first token in the second half of the arrivals
         (loadtest's `served_rate`, the calibration's saturation test), at most the offer."""

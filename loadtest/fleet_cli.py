@@ -173,15 +173,17 @@ def saturation(spec: FleetSpec, share: float, duration: float, seed: int) -> flo
 
 
 def report(res: FleetResult, price: float, state: str) -> dict[str, Any]:
-    f = res.figures()
+    """A run's figures: the whole run as `loadtest run` counts it, and its steady state (the
+    second half of the arrivals), whose cost is every GPU for that window over the tokens of
+    the requests that arrived in it and met the SLO."""
     spec = res.spec
-    spend = pricing.gpu_spend(price * spec.gpus, res.duration_s)
-    good_tokens = int(f["good_input_tokens"] or 0) + int(f["good_output_tokens"] or 0)
-    ok = [o for o in res.outcomes if o.kind == "ok"]
-    out_tokens = sum(o.job.output_tokens for o in ok) / len(ok) if ok else 0.0
-    offered = len(res.outcomes) / max(1e-9, res.outcomes[-1].job.at) if res.outcomes else 0.0
-    tier = size_tier(offered, out_tokens, res.mean_streams(), state)
-    return {**f, "gpus": spec.gpus, "offered_rate": offered, "spend": spend,
+    steady = res.steady()
+    spend = pricing.gpu_spend(price * spec.gpus, float(steady["window_s"] or 0.0))
+    good_tokens = int(steady["good_tokens"] or 0)
+    tier = size_tier(float(steady["offered_rate"] or 0.0),
+                     float(steady["mean_output_tokens"] or 0.0), res.mean_streams(), state,
+                     spec.replicas)
+    return {"run": res.figures(), "steady": steady, "gpus": spec.gpus, "spend": spend,
             "cost_per_m_good_tokens": spend / good_tokens * 1e6 if good_tokens else None,
             "tier": tier.to_dict(), "reasons": res.reasons(), "steps": res.steps}
 
@@ -229,16 +231,17 @@ def fleet(args: argparse.Namespace, price: float, currency: str) -> list[dict[st
                              saturation_per_replica=sat, cpu_s=time.process_time() - t0)
                     rows.append(r)
                     cost = r["cost_per_m_good_tokens"]
+                    st = r["steady"]
                     print(f"{f'{tp} x {replicas}':<14} {spec.gpus:>5} {share:>5.2f} "
-                          f"{load:>5.1f} {r['offered_rate']:>8.1f} {r['request_goodput']:>8.1f} "
-                          f"{r['slo_attainment_pct'] or 0:>7.1f}% "
-                          f"{r['rejection_rate_pct']:>6.1f}% {r['p99_ttft_s'] or 0:>8.2f} "
-                          f"{(r['p99_tpot_s'] or 0) * 1000:>6.0f}ms "
+                          f"{load:>5.1f} {st['offered_rate']:>8.1f} {st['good_rate']:>8.1f} "
+                          f"{st['slo_attainment_pct'] or 0:>7.1f}% "
+                          f"{st['rejection_rate_pct'] or 0:>6.1f}% {st['p99_ttft_s'] or 0:>8.2f} "
+                          f"{(st['p99_tpot_s'] or 0) * 1000:>6.0f}ms "
                           f"{'n/a' if cost is None else f'{cost:.3f}':>11} "
                           f"{r['tier']['workers']:>10} {r['tier']['shards']:>6} "
                           f"{r['cpu_s']:>6.1f}", flush=True)
-    print(f"\nsaturation per replica found directly (served first tokens/s); goodput per second "
-          f"of the run, arrivals {args.duration:g} s; {currency}/M good: every GPU at "
+    print(f"\nsaturation per replica found directly (served first tokens/s); figures of the "
+          f"second half of {args.duration:g} s of arrivals; {currency}/M good: every GPU at "
           f"{price:.2f}/h for the run over the tokens that met the SLO (TTFT "
           f"{SLO_REAL[0]:g} s, TPOT {SLO_REAL[1] * 1000:.0f} ms); gateway tier for the offered "
           f"rate with state {args.state} (gateway/planner/tier.py)")

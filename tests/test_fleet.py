@@ -115,6 +115,8 @@ def test_tier_rule_from_the_measured_constants() -> None:
     assert big.shards == 7  # 20,000 x 217 us + workers + leases = 4.6 s/s over 0.7 a shard
     assert big.pool_shard_share > tier.REDIS_TARGET  # one pool's leases outgrow one shard
     assert tier.size_tier(500.0, 0.0, 10.0, "memory").shards == 0
+    wide = tier.size_tier(1000.0, 200.0, 5000.0, "redis+quota", backends=125)
+    assert wide.cpu_per_request_s == pytest.approx(cpu + 124 * tier.DECISION_S_PER_BACKEND)
     with pytest.raises(ValueError, match="state: expected one of"):
         tier.size_tier(1.0, 1.0, 1.0, "etcd")
 
@@ -131,7 +133,7 @@ def test_plan_sizes_the_gateway_tier_for_a_rate() -> None:
     assert done.returncode == 0, done.stderr
     t = json.loads(done.stdout)["tier"]
     assert t["state"] == "redis+quota" and t["rate"] == 2000
-    expected = tier.size_tier(2000.0, 200.0, t["streams"], "redis+quota")
+    expected = tier.size_tier(2000.0, 200.0, t["streams"], "redis+quota", 125)
     assert (t["workers"], t["shards"]) == (expected.workers, expected.shards)
     text = _plan("--gpus", "1000", "--tp", "8", "--rate", "2000", "--output-tokens", "200",
                  "--tier-state", "redis")

@@ -299,7 +299,8 @@ def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
         # Streams open at once: the requests holding KV (stated, Little's law or the
         # roofline's); a saturated layout has no steady state, so its KV-bound most is used.
         streams = c if c is not None else primary.total_concurrency_p50
-        tier = size_tier(inp.rate, lengths.mean_output, float(streams), inp.tier_state)
+        tier = size_tier(inp.rate, lengths.mean_output, float(streams), inp.tier_state,
+                         primary.replicas)
     return PlanResult(
         model=inp.model.name,
         gpu=inp.gpu.name,

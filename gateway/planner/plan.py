@@ -232,7 +232,8 @@ def render_text(r: PlanResult) -> str:
 def render_tier(t: TierSize) -> list[str]:
     """The gateway tier for the planned rate (gateway/planner/tier.py's rule and constants)."""
     lines = ["", f"gateway tier at {t.rate:,.1f} requests/s, {t.output_tokens:,.0f} output "
-             f"tokens each, {t.streams:,.0f} streams open (state: {t.state}):",
+             f"tokens each, {t.streams:,.0f} streams open, {t.backends:,} backends "
+             f"(state: {t.state}):",
              f"  gateway workers    {t.workers:,} (CPU: {t.workers_for_cpu:,} at "
              f"{t.cpu_per_request_s * 1e3:.2f} ms a request; streams: "
              f"{t.workers_for_streams:,} at {STREAMS_PER_WORKER} a worker)"]

@@ -12,9 +12,10 @@ development machine (shared with other work while it ran), Python 3.11, Redis 7.
   holds at (100 streams yes, 300 no).
 
 The sizing rule (docs/operations.md, "Sizing the gateway tier"), for R requests/s of which each
-streams T output tokens on average and C streams are open at once:
+streams T output tokens on average, C streams open at once, B backends in the pool:
 
-  workers = max(ceil(R x (1/RPS_PER_CPU + T/CHUNKS_PER_CPU) / CPU_TARGET),
+  workers = max(ceil(R x (1/RPS_PER_CPU + T/CHUNKS_PER_CPU + (B-1) x DECISION_S_PER_BACKEND)
+                     / CPU_TARGET),
                 ceil(C / STREAMS_PER_WORKER))
   shards  = max(1, ceil((R x REDIS_US_PER_REQUEST + workers x REDIS_US_PER_WORKER_S
                          + C x REDIS_US_PER_LEASE_S) / 1e6 / REDIS_TARGET))
@@ -43,6 +44,11 @@ CHUNKS_PER_CPU = 34_100.0
 # leaves room for a burst above the planned load.
 STREAMS_PER_WORKER = 100
 CPU_TARGET = 0.6  # of a worker's core: event-loop lag stays low below it
+# The admission decision looks at every backend of the pool (its view: KV headroom, the
+# engine's report, the prefill backlog): 8.4 us at 1 backend, 44 at 16, 293 at 125, 603 at 250
+# (`Admission.view` + `decide` in a loop, tests' fleet policy; the figures above were taken
+# at one backend, so only the backends beyond it are added).
+DECISION_S_PER_BACKEND = 2.35e-6
 # Redis CPU per request, measured from the gateway runs (the upper end of the ranges).
 REDIS_US_PER_REQUEST = {"memory": 0.0, "redis": 69.0, "redis+quota": 217.0}
 LUA_CALLS_PER_REQUEST = {"memory": 0, "redis": 2, "redis+quota": 6}
@@ -82,6 +88,7 @@ class TierSize:
     """What `size_tier` derived, with the figures it derived it from."""
 
     state: str
+    backends: int
     rate: float
     output_tokens: float
     streams: float
@@ -98,14 +105,16 @@ class TierSize:
 
 
 def size_tier(rate: float, output_tokens: float, streams: float,
-              state: str = "redis+quota") -> TierSize:
+              state: str = "redis+quota", backends: int = 1) -> TierSize:
     """Workers and shards for `rate` requests/s streaming `output_tokens` each on average, with
-    `streams` open at once (Little's law: rate x mean seconds a request lasts)."""
+    `streams` open at once (Little's law: rate x mean seconds a request lasts), in front of a
+    pool of `backends` engine replicas."""
     if state not in RPS_PER_CPU:
         raise ValueError(f"state: expected one of {', '.join(RPS_PER_CPU)}, got {state!r}")
     if not (rate >= 0 and output_tokens >= 0 and streams >= 0):
         raise ValueError("rate, output_tokens and streams must not be negative")
-    cpu = 1.0 / RPS_PER_CPU[state] + output_tokens / CHUNKS_PER_CPU
+    cpu = (1.0 / RPS_PER_CPU[state] + output_tokens / CHUNKS_PER_CPU
+           + max(0, backends - 1) * DECISION_S_PER_BACKEND)
     for_cpu = math.ceil(rate * cpu / CPU_TARGET - 1e-9)
     for_streams = math.ceil(streams / STREAMS_PER_WORKER - 1e-9)
     workers = max(1, for_cpu, for_streams)
@@ -118,5 +127,5 @@ def size_tier(rate: float, output_tokens: float, streams: float,
         shards = max(1, math.ceil(redis_us / 1e6 / REDIS_TARGET - 1e-9))
         # reserve + release: the two of a request's scripts on the pool's own shard.
         share = (rate * REDIS_US_PER_REQUEST["redis"] + streams * REDIS_US_PER_LEASE_S) / 1e6
-    return TierSize(state, rate, output_tokens, streams, cpu, for_cpu, for_streams, workers,
-                    redis_us, shards, share)
+    return TierSize(state, backends, rate, output_tokens, streams, cpu, for_cpu, for_streams,
+                    workers, redis_us, shards, share)
