@@ -36,6 +36,7 @@ from gateway import pricing
 from gateway.planner.tier import TierDelay, size_tier
 from loadtest import fleet_traffic as traffic
 from loadtest.fleet import FleetResult, FleetSpec, Job, simulate
+from loadtest.sim.config import ConfigError
 
 # benchmarks/admission_goodput.py's 70B part A, as docs/benchmarks.md reports its real runs.
 TIME_SCALE = 4.0
@@ -80,12 +81,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write every figure as JSON here")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+class UsageError(ValueError):
+    """A flag the fleet cannot run with; the message names it."""
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag}: expected positive integers, comma-separated, got {text!r}")
+    return values
+
+
+def _floats(flag: str, text: str, low: float, high: float) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(low <= v <= high for v in values):
+        raise UsageError(f"{flag}: expected numbers from {low:g} to {high:g}, comma-separated, "
+                         f"got {text!r}")
+    return values
 
 
 def validation_spec(config: str) -> FleetSpec:
@@ -206,24 +224,40 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         out["validation"] = validate(args.seed)
     else:
-        out["fleet"] = fleet(args, price, currency)
+        try:
+            grid = (_floats("--long-share", args.long_share, 0.0, 1.0),
+                    _ints("--tp", args.tp), _ints("--replicas", args.replicas),
+                    _floats("--loads", args.loads, 0.01, 100.0))
+            if not args.duration > 0:
+                raise UsageError(f"--duration: must be positive, got {args.duration:g}")
+            for tp in grid[1]:  # the engine's own checks (model, GPU, TP), before any run
+                engine = fleet_spec(args.model, args.gpu, tp, 1, args.state).engine()
+                if engine.model.num_attention_heads % tp:
+                    raise UsageError(f"--tp: must divide the model's attention heads "
+                                     f"({engine.model.num_attention_heads}), got {tp}")
+        except (UsageError, ConfigError) as exc:
+            print(f"loadtest fleet: {exc}", file=sys.stderr)
+            return 2
+        out["fleet"] = fleet(args, price, currency, *grid)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2, default=str))
     return 0
 
 
-def fleet(args: argparse.Namespace, price: float, currency: str) -> list[dict[str, Any]]:
+def fleet(args: argparse.Namespace, price: float, currency: str, shares: list[float],
+          tps: list[int], replica_counts: list[int], loads: list[float]
+          ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     print(f"{'TP x replicas':<14} {'GPUs':>5} {'long':>5} {'load':>5} {'offered':>8} "
           f"{'goodput':>8} {'SLO met':>8} {'reject':>7} {'P99 TTFT':>8} {'P99 TPOT':>8} "
           f"{currency + '/M good':>11} {'gw workers':>10} {'shards':>6} {'CPU s':>6}")
-    for share in _floats(args.long_share):
-        for tp in _ints(args.tp):
+    for share in shares:
+        for tp in tps:
             base = fleet_spec(args.model, args.gpu, tp, 1, args.state)
             sat = saturation(base, share, args.duration, args.seed)
-            for replicas in _ints(args.replicas):
+            for replicas in replica_counts:
                 spec = fleet_spec(args.model, args.gpu, tp, replicas, args.state)
-                for load in _floats(args.loads):
+                for load in loads:
                     rate = load * sat * replicas
                     t0 = time.process_time()
                     res = simulate(spec, jobs_for(rate, args.duration, share,

@@ -143,3 +143,37 @@ def test_plan_sizes_the_gateway_tier_for_a_rate() -> None:
     assert "gateway tier" not in _plan("--gpus", "8").stdout  # no rate, no tier
     bad = _plan("--gpus", "8", "--rate", "1", "--tier-state", "etcd")
     assert bad.returncode == 2 and "--tier-state: invalid choice: 'etcd'" in bad.stderr
+
+
+def _fleet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "loadtest", "fleet", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@needs_traces
+def test_fleet_command_small_scale(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    done = _fleet("--tp", "8", "--replicas", "2", "--loads", "2", "--duration", "6",
+                  "--long-share", "0.2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "8 x 2" in done.stdout and "USD/M good" in done.stdout
+    (row,) = json.loads(out.read_text())["fleet"]
+    assert (row["tp"], row["replicas"], row["load"], row["long_share"]) == (8, 2, 2.0, 0.2)
+    assert row["saturation_per_replica"] > 0 and row["steady"]["good_rate"] > 0
+    assert row["cost_per_m_good_tokens"] > 0 and row["tier"]["workers"] >= 1
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--tp", "x"], "--tp: expected positive integers, comma-separated, got 'x'"),
+    (["--tp", "3"], "--tp: must divide the model's attention heads (64), got 3"),
+    (["--long-share", "2"], "--long-share: expected numbers from 0 to 1"),
+    (["--loads", "0"], "--loads: expected numbers from 0.01 to 100"),
+    (["--gpu", "nope"], "unknown GPU 'nope'"),
+    (["--duration", "0"], "--duration: must be positive, got 0"),
+    (["--gpu-hour", "-1"], "--gpu-hour: must be a price per GPU-hour >= 0, got -1"),
+])
+def test_fleet_bad_flags_are_one_line(args: list[str], says: str) -> None:
+    done = _fleet(*args)
+    assert done.returncode == 2, done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loadtest fleet: ") and says in lines[0], lines
