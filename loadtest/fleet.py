@@ -180,6 +180,9 @@ class FleetResult:
             "p99_ttft_s": _pct(ttfts, 99), "p99_tpot_s": _pct(tpots, 99),
             "good_tokens": sum(o.job.prompt_tokens + o.job.output_tokens for o in good),
             "mean_output_tokens": sum(o.job.output_tokens for o in ok) / len(ok) if ok else 0.0,
+            # What the gateway tier relays per request it is sent (refused ones stream none).
+            "streamed_tokens_per_request": sum(o.job.output_tokens for o in ok) / len(part)
+            if part else 0.0,
         }
 
     def served_rate(self) -> float:
@@ -195,10 +198,16 @@ class FleetResult:
         return min(started, offered) / (end - half) if end > half else 0.0
 
     def mean_streams(self) -> float:
-        """Streams open at once on average (completed requests' time from arrival to end)."""
-        total = sum(o.ttft_s + (o.tpot_s or 0.0) * max(0, o.job.output_tokens - 1)
-                    for o in self.outcomes if o.kind == "ok" and o.ttft_s is not None)
-        return total / self.duration_s if self.duration_s else 0.0
+        """Streams open at once, on average over the second half of the arrivals (the steady
+        window): each completed request open from its arrival to its last token."""
+        end = self.outcomes[-1].job.at if self.outcomes else 0.0
+        half = end / 2
+        total = 0.0
+        for o in self.outcomes:
+            if o.kind == "ok" and o.ttft_s is not None:
+                last = o.job.at + o.ttft_s + (o.tpot_s or 0.0) * max(0, o.job.output_tokens - 1)
+                total += max(0.0, min(last, end) - max(o.job.at, half))
+        return total / (end - half) if end > half else 0.0
 
     def reasons(self) -> dict[str, int]:
         c = Counter(f"rejected/{x.reason}" for x in self.outcomes if x.kind == "rejected")

@@ -201,8 +201,8 @@ def report(res: FleetResult, price: float, state: str) -> dict[str, Any]:
     spend = pricing.gpu_spend(price * spec.gpus, float(steady["window_s"] or 0.0))
     good_tokens = int(steady["good_tokens"] or 0)
     tier = size_tier(float(steady["offered_rate"] or 0.0),
-                     float(steady["mean_output_tokens"] or 0.0), res.mean_streams(), state,
-                     spec.replicas)
+                     float(steady["streamed_tokens_per_request"] or 0.0), res.mean_streams(),
+                     state, spec.replicas)
     return {"run": res.figures(), "steady": steady, "gpus": spec.gpus, "spend": spend,
             "cost_per_m_good_tokens": spend / good_tokens * 1e6 if good_tokens else None,
             "tier": tier.to_dict(), "reasons": res.reasons(), "steps": res.steps}
