@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gate": ("loadtest.gate", "compare two runs; fail on a performance regression"),
     "overload": ("loadtest.overload", "the demo's engines past saturation, direct and through "
                  "the gateway, side by side"),
+    "fleet": ("loadtest.fleet_cli", "a fleet of simulated replicas behind the gateway's "
+              "admission, on a virtual clock; --validate against the real benchmark"),
 }
 
 

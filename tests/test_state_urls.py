@@ -37,7 +37,9 @@ def test_the_three_kinds() -> None:
     ("redis+sentinel://a:26379", "service_name"),
     ("redis+sentinel://a:26379/mymaster/x", "must be a number, got 'x'"),
     ("redis+sentinel://a:26379,:26380/mymaster", "each Sentinel must be host:port"),
-    ("rediss+cluster://a:1", "TLS to a Redis Cluster or to Sentinels is not supported"),
+    ("redis+sentinel://a:26379/m?password=x", "takes only ?sentinel_username"),
+    ("redis+sentinel://a:26379/m?sentinel_password=x&sentinel_password=y", "each once"),
+    ("rediss+sentinel://a:26379/m?sentinel_password", "takes only ?sentinel_username"),
 ])
 def test_a_wrong_url_is_one_line_at_start_up(url: str, says: str) -> None:
     with pytest.raises(ValueError) as raised:
@@ -50,6 +52,24 @@ def test_a_wrong_url_is_one_line_at_start_up(url: str, says: str) -> None:
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr, lines
         assert lines[0].startswith(f"gateway {cmd[1]}: --redis-url: "), lines
+
+
+def test_tls_and_the_sentinels_own_password() -> None:
+    c = parse_url("rediss+cluster://app:pw@a:7000,b:7001")
+    assert (c.kind, c.tls, c.nodes, c.password) == (CLUSTER, True, (("a", 7000), ("b", 7001)),
+                                                     "pw")
+    assert not parse_url("redis+cluster://a:7000").tls
+    s = parse_url("rediss+sentinel://app:pw@s0:26379,s1:26379/mymaster/1"
+                  "?sentinel_username=watch&sentinel_password=s%26nt")
+    assert (s.kind, s.tls, s.service, s.db) == (SENTINEL, True, "mymaster", 1)
+    assert (s.username, s.password) == ("app", "pw")
+    assert (s.sentinel_username, s.sentinel_password) == ("watch", "s&nt")
+    assert "s&nt" not in repr(s)
+    plain = parse_url("redis+sentinel://s0:26379/mymaster")
+    assert (plain.tls, plain.sentinel_username, plain.sentinel_password) == (False, None, None)
+    with pytest.raises(ValueError) as raised:
+        parse_url("redis+sentinel://s0:26379/m?sentinel_password=hunter2&x=1")
+    assert "hunter2" not in str(raised.value) and "sentinel_password=***" in str(raised.value)
 
 
 def test_a_password_never_reaches_the_message() -> None:
@@ -65,6 +85,13 @@ def test_check_names_the_state_it_would_use() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == (
         "state: primary 'mymaster' (db 0) named by the Sentinels at 127.0.0.1:26379")
+    done = subprocess.run(gateway_cmd(
+        "check", "--redis-url", "rediss+sentinel://127.0.0.1:26379/mymaster?sentinel_password=p",
+        POLICY), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == (
+        "state: primary 'mymaster' (db 0) named by the Sentinels at 127.0.0.1:26379, over TLS, "
+        "Sentinels asked with a password")
     done = subprocess.run(gateway_cmd("check", "--state-prefix", "gw{x}", POLICY),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--state-prefix" in done.stderr, done.stderr

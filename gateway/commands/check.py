@@ -51,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
 def describe_state(url: str) -> str:
     target = parse_url(url)
     nodes = ", ".join(f"{host}:{port}" for host, port in target.nodes)
+    tls = ", over TLS" if target.tls else ""
     if target.kind == CLUSTER:
-        return f"Redis Cluster, found from {nodes}"
+        return f"Redis Cluster, found from {nodes}{tls}"
     if target.kind == SENTINEL:
-        return f"primary {target.service!r} (db {target.db}) named by the Sentinels at {nodes}"
+        auth = ", Sentinels asked with a password" if target.sentinel_password else ""
+        return (f"primary {target.service!r} (db {target.db}) named by the Sentinels at "
+                f"{nodes}{tls}{auth}")
     return "one Redis" if target.url else "memory (this process only)"
 
 

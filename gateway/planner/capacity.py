@@ -24,6 +24,7 @@ from typing import Any
 from gateway.cost.traces import TraceRequest
 from gateway.planner import throughput, token_price
 from gateway.planner.throughput import Lengths, Throughput
+from gateway.planner.tier import RPS_PER_CPU, TierSize, size_tier
 from gateway.planner.token_price import LayoutPrice
 from gateway.pricing import Price
 from gateway.profiles import (
@@ -35,6 +36,8 @@ from gateway.profiles import (
     dtype_bytes,
     ledger,
 )
+
+TIER_STATES = tuple(RPS_PER_CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class PlanInput:
     rate: float | None = None  # arrivals/s: the planned load in tokens/s
     prompt_mean: float | None = None  # None: the trace's mean, else lognormal from P50 and P99
     cost: Price | None = None
+    tier_state: str = "redis+quota"  # the gateway tier's state, for its size at --rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class PlanResult:
     rate: float | None = None
     lengths: Lengths | None = None  # mean lengths the throughput and cost are computed at
     cost_model: Price | None = None
+    tier: TierSize | None = None  # the gateway tier for --rate (gateway/planner/tier.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -245,6 +250,9 @@ def validate(inp: PlanInput) -> None:
         raise ProfileError(f"kv_budget: must be positive, got {inp.kv_budget_bytes}")
     if inp.rate is not None and not (math.isfinite(inp.rate) and inp.rate >= 0):
         raise ProfileError(f"rate: must be a non-negative number of arrivals/s, got {inp.rate}")
+    if inp.tier_state not in TIER_STATES:
+        raise ProfileError(f"tier_state: expected one of {', '.join(TIER_STATES)}, "
+                           f"got {inp.tier_state!r}")
     if inp.prompt_mean is not None and not inp.prompt_mean >= 0:
         raise ProfileError(f"prompt_mean: must not be negative, got {inp.prompt_mean}")
 
@@ -286,6 +294,13 @@ def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
     if c is None and t is not None and not t.saturated:
         c, concurrency_source = math.ceil(t.concurrency_per_replica * primary.replicas - 1e-9), \
             "roofline"
+    tier = None
+    if inp.rate is not None:
+        # Streams open at once: the requests holding KV (stated, Little's law or the
+        # roofline's); a saturated layout has no steady state, so its KV-bound most is used.
+        streams = c if c is not None else primary.total_concurrency_p50
+        tier = size_tier(inp.rate, lengths.mean_output, float(streams), inp.tier_state,
+                         primary.replicas)
     return PlanResult(
         model=inp.model.name,
         gpu=inp.gpu.name,
@@ -309,4 +324,5 @@ def plan(inp: PlanInput, concurrency_source: str = "stated") -> PlanResult:
         rate=inp.rate,
         lengths=lengths,
         cost_model=inp.cost,
+        tier=tier,
     )

@@ -16,7 +16,8 @@ import sys
 from gateway import pricing
 from gateway.cost.traces import TraceError, read_trace
 from gateway.planner import token_price
-from gateway.planner.capacity import PlanInput, PlanResult, plan
+from gateway.planner.capacity import TIER_STATES, PlanInput, PlanResult, plan
+from gateway.planner.tier import MEASURED, STREAMS_PER_WORKER, TierSize
 from gateway.pricing import PriceError
 from gateway.profiles import GB, GiB, ModelProfile, ProfileError, get_gpu, get_model
 
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cost (default the trace's, or the lognormal through P50 and P99)")
     pricing.add_price_arguments(p, "docs/planner.md",
                                 input_share_default=pricing.ESTIMATED_SHARE)
+    p.add_argument("--tier-state", default="redis+quota", choices=TIER_STATES,
+                   help="with --rate, size the gateway tier for this state: memory (one "
+                   "replica), redis, or redis+quota (tenants with two quota buckets; default)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -144,6 +148,7 @@ def input_from_args(args: argparse.Namespace) -> tuple[PlanInput, str]:
         rate=args.rate,
         prompt_mean=args.prompt_mean,
         cost=cost,
+        tier_state=args.tier_state,
     ), source
 
 
@@ -215,8 +220,27 @@ def render_text(r: PlanResult) -> str:
                      + (f"{r.concurrency} concurrent requests split over the replicas)"
                         if r.concurrency_source != "roofline" else
                         "each layout's roofline concurrency at --rate per replica)"))
+    if r.tier is not None:
+        lines += render_tier(r.tier)
     if r.cost_model is not None and r.lengths is not None:
         lines += token_price.render(r.cost_model, r.gpus, r.lengths, r.rate, r.concurrency,
                                     [(lay.tp, lay.replicas, lay.throughput, lay.cost)
                                      for lay in r.layouts if lay.cost is not None])
     return "\n".join(lines)
+
+
+def render_tier(t: TierSize) -> list[str]:
+    """The gateway tier for the planned rate (gateway/planner/tier.py's rule and constants)."""
+    lines = ["", f"gateway tier at {t.rate:,.1f} requests/s, {t.output_tokens:,.0f} output "
+             f"tokens each, {t.streams:,.0f} streams open, {t.backends:,} backends "
+             f"(state: {t.state}):",
+             f"  gateway workers    {t.workers:,} (CPU: {t.workers_for_cpu:,} at "
+             f"{t.cpu_per_request_s * 1e3:.2f} ms a request; streams: "
+             f"{t.workers_for_streams:,} at {STREAMS_PER_WORKER} a worker)"]
+    if t.state != "memory":
+        lines.append(f"  Redis shards       {t.shards:,} ({t.redis_us_per_s / 1e6:.2f} s of "
+                     f"Redis a second; the pool's own shard {t.pool_shard_share:.0%} busy"
+                     + (": split the pool" if t.pool_shard_share > 0.7 else "") + ")")
+    lines.append(f"  (constants measured {MEASURED}; docs/operations.md, Sizing the gateway "
+                 "tier)")
+    return lines

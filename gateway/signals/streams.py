@@ -30,10 +30,14 @@ TPOT_MARGIN = 2.0
 
 
 class StreamProgress(Protocol):
-    """What the proxy knows of a stream as it goes (`gateway.proxy.Exchange`)."""
+    """What the proxy knows of a stream as it goes (`gateway.proxy.Exchange`); read-only here,
+    so the fleet simulation can hand in its engine's requests (loadtest/fleet.py)."""
 
-    first_byte: float | None
-    sse_events: int
+    @property
+    def first_byte(self) -> float | None: ...
+
+    @property
+    def sse_events(self) -> int: ...
 
 
 @dataclass(eq=False, slots=True)

@@ -146,14 +146,18 @@ def make_client(target: StateURL, timeout_s: float
     if target.kind == CLUSTER:
         nodes = [ClusterNode(host, port) for host, port in target.nodes]
         return RedisCluster(startup_nodes=nodes, username=target.username,
-                            password=target.password, **common), []
+                            password=target.password, ssl=target.tls, **common), []
     assert target.kind == SENTINEL
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(target.nodes), sentinel_kwargs={"socket_timeout": timeout_s,
-                                             "socket_connect_timeout": timeout_s})
+                                             "socket_connect_timeout": timeout_s,
+                                             "ssl": target.tls,
+                                             "username": target.sentinel_username,
+                                             "password": target.sentinel_password})
+    # ssl=True makes redis-py's pool use SentinelManagedSSLConnection to the primary.
     client = sentinel.master_for(target.service, redis_class=aioredis.Redis, db=target.db,
                                  username=target.username, password=target.password,
-                                 retry_on_timeout=False, **common)
+                                 retry_on_timeout=False, ssl=target.tls, **common)
     return client, list(sentinel.sentinels)
 
 

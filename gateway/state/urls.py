@@ -4,22 +4,26 @@
     redis+cluster://[user:password@]host:port,host:port,...[/0]
                                                  a Redis Cluster: any of its nodes, to start from
     redis+sentinel://[user:password@]host:port,host:port,.../service_name[/db]
+                  [?sentinel_username=U&sentinel_password=P]
                                                  the primary the Sentinels name `service_name`
+    rediss+cluster://..., rediss+sentinel://...  the same over TLS (Sentinels and data nodes)
 
 The user and password are the data nodes' (the cluster's nodes, the Sentinel-managed primary);
-Sentinels are asked without a password. Parsed here, before anything connects, so a wrong URL
-is one line at start-up (`gateway serve`, `gateway check --redis-url`), never a traceback.
+Sentinels are asked with `sentinel_username` / `sentinel_password` when the URL gives them
+(Sentinel's own `requirepass`, which need not be the primary's), else without. Parsed here,
+before anything connects, so a wrong URL is one line at start-up (`gateway serve`,
+`gateway check --redis-url`), never a traceback.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 MEMORY, SINGLE, CLUSTER, SENTINEL = "memory", "redis", "cluster", "sentinel"
 EXPECTED = ("redis://host:port[/db], redis+cluster://host:port,host:port[/0] or "
-            "redis+sentinel://host:port,host:port/service_name[/db]")
+            "redis+sentinel://host:port,host:port/service_name[/db] (rediss+...:// for TLS)")
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>\d+)$")
 _SERVICE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -33,6 +37,9 @@ class StateURL:
     db: int = 0
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    tls: bool = False  # CLUSTER, SENTINEL: rediss+...:// (SINGLE: redis-py reads rediss://)
+    sentinel_username: str | None = None  # SENTINEL: how to authenticate to the Sentinels
+    sentinel_password: str | None = field(default=None, repr=False)
 
 
 def parse_url(url: str | None) -> StateURL:
@@ -44,15 +51,16 @@ def parse_url(url: str | None) -> StateURL:
         raise ValueError(f"--redis-url: expected {EXPECTED}, got {safe(url)!r}")
     if scheme in ("redis", "rediss", "unix"):
         return StateURL(SINGLE, url)
-    if scheme in ("rediss+cluster", "rediss+sentinel"):
-        raise ValueError(f"--redis-url: TLS to a Redis Cluster or to Sentinels is not supported "
-                         f"yet (got {scheme}://); use {scheme.replace('rediss', 'redis')}:// on a "
-                         "trusted network, or rediss:// to one Redis")
+    tls = scheme.startswith("rediss+")
+    if tls:
+        scheme = "redis+" + scheme.removeprefix("rediss+")
     if scheme not in ("redis+cluster", "redis+sentinel"):
         raise ValueError(f"--redis-url: unknown scheme {scheme!r}: expected {EXPECTED}")
-    if "?" in rest or "#" in rest:
+    rest, _, query = rest.partition("?")
+    if "#" in rest or "#" in query or (query and scheme == "redis+cluster"):
         raise ValueError(f"--redis-url: {scheme}:// takes no query parameters or fragment, got "
                          f"{safe(url)!r}")
+    sentinel_auth = _sentinel_auth(query, url)
     netloc, _, path = rest.partition("/")
     username = password = None
     if "@" in netloc:
@@ -66,7 +74,7 @@ def parse_url(url: str | None) -> StateURL:
         if segments not in ([], ["0"]):
             raise ValueError(f"--redis-url: a Redis Cluster has database 0 only; expected "
                              f"redis+cluster://host:port,host:port[/0], got {safe(url)!r}")
-        return StateURL(CLUSTER, url, nodes, username=username, password=password)
+        return StateURL(CLUSTER, url, nodes, username=username, password=password, tls=tls)
     if not segments or len(segments) > 2 or not _SERVICE.match(segments[0]):
         raise ValueError("--redis-url: expected redis+sentinel://host:port,host:port/"
                          f"service_name[/db] (the primary's name in the Sentinels' "
@@ -77,7 +85,27 @@ def parse_url(url: str | None) -> StateURL:
             raise ValueError(f"--redis-url: the database after the service name must be a "
                              f"number, got {segments[1]!r}")
         db = int(segments[1])
-    return StateURL(SENTINEL, url, nodes, segments[0], db, username, password)
+    return StateURL(SENTINEL, url, nodes, segments[0], db, username, password, tls,
+                    *sentinel_auth)
+
+
+_SENTINEL_KEYS = ("sentinel_username", "sentinel_password")
+
+
+def _sentinel_auth(query: str, url: str) -> tuple[str | None, str | None]:
+    """`sentinel_username` and `sentinel_password` from a Sentinel URL's query, decoded."""
+    if not query:
+        return None, None
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        pairs = [("", "")]
+    given = dict(pairs)
+    unknown = [k for k, _ in pairs if k not in _SENTINEL_KEYS]
+    if unknown or len(given) != len(pairs):
+        raise ValueError(f"--redis-url: a Sentinel URL takes only ?sentinel_username=...&"
+                         f"sentinel_password=... (each once), got {safe(url)!r}")
+    return given.get("sentinel_username") or None, given.get("sentinel_password")
 
 
 def _node(part: str, scheme: str, url: str) -> tuple[str, int]:
@@ -110,5 +138,6 @@ def state_problem(url: str | None, prefix: str) -> str | None:
 
 
 def safe(url: str) -> str:
-    """`url` without its password, for logs and messages."""
+    """`url` without its passwords (the user's and the Sentinels'), for logs and messages."""
+    url = re.sub(r"([?&]sentinel_password=)[^&#]*", r"\1***", url)
     return re.sub(r"^([^:/]+://[^:@/]*):[^@]*@", r"\1:***@", url)

@@ -129,6 +129,8 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` more tokens; False (nothing changed) if too few are free."""
         total = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(request.blocks) - len(new_computed)
+        if needed <= 0 and not new_computed:
+            return True  # a decode inside its last block: most calls, nothing to do
         # Hit blocks sitting in the free queue stop being free once touched.
         reclaimed = sum(1 for block in new_computed if self.pool.is_free(block))
         if needed > self.pool.num_free - reclaimed:
@@ -146,6 +148,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.blocks))
+        if full <= request.num_registered_blocks:
+            return  # no block filled up this step (15 steps in 16 of a decode)
         for index in range(request.num_registered_blocks, full):
             self.pool.register(request.blocks[index], request.block_hash(index))
         request.num_registered_blocks = max(request.num_registered_blocks, full)
