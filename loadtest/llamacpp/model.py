@@ -28,6 +28,7 @@ from gateway.cost.tokenizer import builtin_qwen3_dir
 
 # gguf-py/gguf/constants.py: TokenType (NORMAL 1, CONTROL 3, USER_DEFINED 4).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+FORMAT = 2  # bumped whenever what write_tiny_model writes changes: a new cache key
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class TinyModel:
     chat_template: str = "qwen2.5"  # the gateway's built-in template of that name
 
     def key(self) -> str:
-        return "qwen2-tiny-" + "-".join(f"{k}{v}" for k, v in asdict(self).items()
+        return f"qwen2-tiny-v{FORMAT}-" + "-".join(f"{k}{v}" for k, v in asdict(self).items()
                                          if k != "chat_template") + f"-{self.chat_template}"
 
 
@@ -81,8 +82,11 @@ def _vocab() -> tuple[list[str], list[int], list[str]]:
     for text, i in vocab.items():
         tokens[i], types[i] = text, TOKEN_NORMAL
     for i, t in added.items():
-        tokens[i] = t["content"]
-        types[i] = TOKEN_CONTROL if t["special"] else TOKEN_USER_DEFINED
+        tokens[i] = text = t["content"]
+        # As convert_hf_to_gguf.py (does_token_look_special): <|...|> tokens are control
+        # tokens even where tokenizer.json does not mark them special (Qwen's <|fim_*|>).
+        look_special = text.startswith("<|") and text.endswith("|>")
+        types[i] = TOKEN_CONTROL if t["special"] or look_special else TOKEN_USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     return tokens, types, merges
 
