@@ -234,3 +234,25 @@ def test_engine_killed_and_restarted_mid_load(
     finally:
         stop.set()
         engine.stop()
+
+
+def test_without_metrics_the_slots_still_bind(
+        llama_server: tuple[Path, Path],
+        start_gateway: StartGateway, tmp_path: Path) -> None:
+    """A llama-server started without --metrics answers /metrics with 501: its load is
+    unknown, but /props still gives its slots, so the gateway still holds it there."""
+    binary, model = llama_server
+    shape = EngineShape(slots=2, slot_context=1024, metrics=False)
+    with run_llamacpp(binary, model, tmp_path, shape) as engine, \
+            start_gateway(llamacpp_policy([engine.url], slot_context=1024)) as gw:
+        assert http("GET", engine.url + "/metrics").status == 501
+        est = http("POST", gw.url + "/gateway/estimate",
+                   {"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 8}).json()
+        b = est["decision"]["backends"]["e0"]
+        assert b["capacity_blocks"] == 128 and b["slot_blocks"] == 64
+        assert b["engine"]["slots"] == 2 and b["engine"]["running"] is None
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: chat(gw.url, 300), range(4)))
+        assert [r.status for r in replies] == [200] * 4
+        assert sorted(r.headers["x-gateway-decision"] for r in replies).count("queued") >= 1
+        quiet(gw.url)

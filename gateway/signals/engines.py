@@ -302,16 +302,21 @@ class EngineScraper:
         text = await _get(session, url, timeout_s)
         if text is None:
             self.props.pop(key, None)  # it may come back restarted with other slots
-            return None
+            if engine != "llamacpp":
+                return None
         props = None
         if engine == "llamacpp":
             props = self.props.get(key)
             if props is None:
                 page = await _get(session, url.removesuffix("/metrics") + "/props", timeout_s)
                 props = None if page is None else parse_llamacpp_props(page)
-                if props is not None:
-                    self.props[key] = props
-        sample = parse_engine_metrics(text, engine, self.clock(), props)
+            if props is None:
+                return None
+            if text is not None:
+                self.props[key] = props
+            # A server started without --metrics answers /metrics with 501: its slots are
+            # still known from /props (the limit holds), its load is unknown.
+        sample = parse_engine_metrics(text or "", engine, self.clock(), props)
         self.samples[(pool, backend)] = sample
         return sample
 

@@ -37,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama-server is not available: {exc}", file=sys.stderr)
         return 1
     shape = EngineShape(slots=args.slots, slot_context=args.slot_context, threads=args.threads)
-    argv_ = server_argv(binary, tiny_model_path(), args.port, shape, args.served_model_name)
+    try:
+        model = tiny_model_path()
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    argv_ = server_argv(binary, model, args.port, shape, args.served_model_name)
     if args.quiet:
         argv_ += ["--log-verbosity", "2"]  # common/arg.cpp: 2 = warnings and errors
     os.execv(argv_[0], argv_)

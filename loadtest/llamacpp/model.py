@@ -92,7 +92,13 @@ def _vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def write_tiny_model(path: Path, spec: TinyModel) -> None:
-    import gguf  # a dev/test dependency; only the test harness and benchmarks make models
+    try:
+        # A dev/test dependency, imported here: only the tests, the benchmarks and the
+        # llama.cpp demo make models, and the rest of loadtest runs without it.
+        import gguf
+    except ImportError as exc:
+        raise RuntimeError("making the tiny llama.cpp model needs the `gguf` package: "
+                           "pip install -e '.[dev]' (or pip install gguf)") from exc
 
     tokens, types, merges = _vocab()
     rng = np.random.default_rng(spec.seed)

@@ -59,6 +59,7 @@ class EngineShape:
     slot_context: int = 2048
     threads: int = 1
     batch: int = 512  # -b and -ub: prompt tokens per decode call
+    metrics: bool = True  # --metrics: /metrics answers (without it, 501)
 
 
 def server_argv(binary: Path, model: Path, port: int, shape: EngineShape = EngineShape(),
@@ -69,5 +70,5 @@ def server_argv(binary: Path, model: Path, port: int, shape: EngineShape = Engin
             "--threads-http", "2", "-b", str(shape.batch), "-ub", str(shape.batch),
             # One KV region per slot (-np given makes it so; said here so it stays so): the
             # slot model the gateway's `engine: llamacpp` admission is built on.
-            "--no-kv-unified", "--metrics", "--slots", "--no-webui", "--no-warmup",
-            "-a", served_name]
+            "--no-kv-unified", *(["--metrics"] if shape.metrics else []), "--slots",
+            "--no-webui", "--no-warmup", "-a", served_name]
