@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8080
 
-.PHONY: demo overload test lint typecheck bench clean
+.PHONY: demo overload test lint typecheck bench clean engine-llamacpp
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 # engines on free ports: a running `make demo` is not touched); the plots in overload.html.
 overload: $(STAMP)
 	$(BIN)/loadtest overload --report overload.html
+
+# llama.cpp's llama-server, built from the pinned llama-cpp-python sdist's sources (CPU only,
+# about ten minutes on two cores, once) and cached under ~/.cache/llm-gateway/llama.cpp/.
+engine-llamacpp:
+	tools/engine-llamacpp
 
 # tools/with-redis finds or starts a Redis and exports REDIS_URL for the suite.
 test: $(STAMP)

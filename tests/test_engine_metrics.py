@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import pytest
 
-from gateway.admission.controller import Admission
+from gateway.admission.controller import Admission, Ask, Overloaded
 from gateway.backends import Backends
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
-from gateway.signals.engines import EngineScraper, parse_engine_metrics
+from gateway.signals.engines import EngineScraper, parse_engine_metrics, parse_llamacpp_props
 from gateway.state import MemoryState
 from loadtest.sim.config import SimConfig
 from loadtest.sim.metrics import SimMetrics
@@ -336,6 +336,11 @@ pools:
     max_model_len: 8192
     block_size: 16
     backends: [{name: c, url: "http://127.0.0.1:3"}]
+  lc:
+    engine: llamacpp
+    models: [m]
+    max_model_len: 2048
+    backends: [{name: d, url: "http://127.0.0.1:4"}]
 """
 
 
@@ -372,3 +377,77 @@ def test_admission_limit_uses_the_combined_usage() -> None:
     # 65% of 54000 blocks are held by traffic we did not reserve; summed (1.3) left nothing.
     assert adm.max_blocks(ps, "a") == pytest.approx(54000 * (kv_max - 0.65), abs=1)
     assert adm.capacity.engine_full(ps, "a") is None
+
+
+# llama.cpp's server --metrics, as server_task_result_metrics::to_metrics writes it
+# (tools/server/server-task.cpp): counters, then gauges, no labels, values as C++ streams them.
+LLAMACPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1234
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 0
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 567
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 1.25
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 415.2
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 3
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 2.75
+"""
+
+
+def test_llamacpp_page_and_props() -> None:
+    s = parse_engine_metrics(LLAMACPP, "llamacpp", 1.0, (4, 2048))
+    assert (s.running, s.waiting, s.busy_slots_per_decode) == (3, 2, 2.75)
+    assert (s.prompt_tokens_total, s.predicted_tokens_total) == (1234, 567)
+    assert (s.slots, s.slot_tokens, s.max_tokens, s.kv_usage) == (4, 2048, 8192, None)
+    # Without /props the load is known and the capacity is not.
+    bare = parse_engine_metrics(LLAMACPP, "llamacpp", 1.0)
+    assert bare.running == 3 and bare.slots is None and bare.max_tokens is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"total_slots": 4, "default_generation_settings": {"n_ctx": 2048}}', (4, 2048)),
+    ('{"total_slots": 0, "default_generation_settings": {"n_ctx": 2048}}', None),
+    ('{"total_slots": 4}', None),
+    ('{"total_slots": true, "default_generation_settings": {"n_ctx": 2048}}', None),
+    ('{"total_slots": 4, "default_generation_settings": {"n_ctx": "2048"}}', None),
+    ("[1, 2]", None),
+    ("not json", None),
+])
+def test_llamacpp_props_are_read_or_unknown(text: str, expected: tuple[int, int] | None) -> None:
+    assert parse_llamacpp_props(text) == expected
+
+
+@pytest.mark.anyio
+async def test_a_slot_engine_takes_one_request_per_slot() -> None:
+    adm = admission()
+    ps = adm.pools["lc"]
+    sample = parse_engine_metrics(LLAMACPP, "llamacpp", 1.0, (4, 2048))
+    adm.on_engine_sample("lc", "d", sample)
+    adm.scraper.samples[("lc", "d")] = sample
+    # Four slots of 2048 tokens: 128 blocks of 16 each, and all of them (no KV fraction).
+    assert ps.slot_blocks["d"] == 128 and ps.capacity["d"] == 512
+    assert adm.max_blocks(ps, "d") == 512
+    # A two-block request takes a whole slot: four run, the fifth finds none.
+    held = [await adm.admit(Ask("lc", 2, 20)) for _ in range(4)]
+    assert [t.lease.blocks for t in held if t.lease] == [128] * 4
+    with pytest.raises(Overloaded) as err:
+        await adm.admit(Ask("lc", 2, 20, deadline_s=0.0))
+    assert err.value.reason == "kv_blocks"
+    for t in held:
+        await adm.release(t)
+    assert ps.reserved["d"] == 0

@@ -75,7 +75,7 @@ def test_good_policy_summary(tmp_path: Path) -> None:
     (("max_model_len: 32768", "max_model_len: 32768\n    admission: {prefill_tokens_max: 0}"),
      "pools.default.admission.prefill_tokens_max", "greater than 0"),
     (("  default:\n    models", "  default:\n    engine: tgi\n    models"),
-     "pools.default.engine", "'vllm', 'sglang' or 'openai'"),
+     "pools.default.engine", "'vllm', 'sglang', 'llamacpp' or 'openai'"),
 ])
 def test_bad_policy_names_path_and_rule(tmp_path: Path, edit: tuple[str, str], path: str,
                                         expected: str) -> None:

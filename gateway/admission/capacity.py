@@ -7,6 +7,12 @@ reports less KV in use than this gateway has reserved there, the overbooking rat
 from that lets reservations exceed the raw capacity (up to `overbook_max`), and the engine's
 own usage then stays the hard line. Blocks in use that no reservation of ours accounts for
 (other traffic, another gateway) are taken off the limit.
+
+A slot engine (llama.cpp's server) is different: it runs `-np` slots, each with a context of
+its own, and defers what finds none free. Its capacity is its slots' blocks, every request
+reserves a whole slot, and the limit is the capacity itself (no KV fraction, no overbooking: a
+slot is held whole while it runs), so the gateway never sends it more than it has slots and
+queues the rest where priority, fairness and early rejection apply.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class Capacity:
         """The engine's own KV capacity in blocks of the pool's `block_size`, which is what
         reservations count (ceil(tokens / block_size) per request)."""
         size = ps.spec.block_size
+        if sample.slots and sample.slot_tokens:  # llama.cpp: whole slots, never a part of one
+            return sample.slots * max(1, sample.slot_tokens // size)
         # Tokens first: vLLM's kv_cache_size_tokens is group-aware, right for hybrid models where
         # num_gpu_blocks x block_size is not (their block_size is enlarged to match Mamba pages).
         if sample.max_tokens:
@@ -84,6 +92,13 @@ class Capacity:
         return None
 
     def on_engine_sample(self, ps: PoolState, backend: str, sample: EngineSample) -> None:
+        if sample.slot_tokens:
+            ps.slot_blocks[backend] = max(1, sample.slot_tokens // ps.spec.block_size)
+            if sample.slots is not None:
+                self.metrics.engine_slots.labels(ps.name, backend).set(sample.slots)
+        for state, value in (("running", sample.running), ("waiting", sample.waiting)):
+            if value is not None:
+                self.metrics.engine_requests.labels(ps.name, backend, state).set(value)
         blocks = self.engine_blocks(ps, sample)
         if blocks and ps.spec.kv_blocks is None and ps.capacity.get(backend) != blocks:
             ps.capacity[backend] = blocks  # the engine's own number beats the ledger's
@@ -109,6 +124,8 @@ class Capacity:
     def max_blocks(self, ps: PoolState, backend: str) -> int:
         """Blocks our reservations may take on `backend`, engine-reported usage considered."""
         capacity = ps.capacity[backend]
+        if backend in ps.slot_blocks and capacity < UNKNOWN_CAPACITY_BLOCKS:
+            return capacity  # a slot engine: all its slots, each held whole while it runs
         overbook = ps.overbook.get(backend, 1.0)
         limit = int(capacity * (ps.thresholds.kv_usage_max.value or 1.0) * overbook)
         sample = self.scraper.fresh(ps.name, backend)

@@ -117,7 +117,8 @@ class Admission:
                         reserved_blocks=ps.reserved.get(b.name, 0), outstanding=b.outstanding,
                         ruled_out=(refused or {}).get(b.name)
                         or cap.ruled_out(ps, b.name, ask.prompt_tokens),
-                        over_static_rule=cap.over_static_rule(ps, b.name))
+                        over_static_rule=cap.over_static_rule(ps, b.name),
+                        slot_blocks=ps.slot_blocks.get(b.name))
             for b in self.backends.pools[ps.name])
         predicted, deadline = waiting.outlook(ps, ask)
         return PoolView(
@@ -157,9 +158,8 @@ class Admission:
                 "available": bv.available, "capacity_blocks": ps.capacity[b.name],
                 "limit_blocks": bv.limit_blocks, "reserved_blocks": bv.reserved_blocks,
                 "prefill_pending_tokens": ps.prefill.get(b.name, 0),
-                "engine": None if sample is None else {
-                    "kv_usage": sample.kv_usage, "waiting": sample.waiting,
-                    "running": sample.running, "age_s": round(now - sample.at, 3)},
+                "engine": None if sample is None else _engine_view(sample, now),
+                "slot_blocks": bv.slot_blocks,
                 "engine_rules_out": self.capacity.engine_full(ps, b.name),
                 "rules_out": bv.ruled_out}
         out: dict[str, object] = {
@@ -248,7 +248,8 @@ class Admission:
         """Reserve in the store with the limits the view decided on; (ticket, refusal)."""
         max_blocks = self.capacity.max_blocks(ps, backend.name)
         lease = Lease(ps.name, backend.name, f"{self.replica_id}-{next(self._ids)}",
-                      reservation_blocks(ask.blocks, max_blocks), ask.tokens, ask.tenant)
+                      reservation_blocks(ask.blocks, max_blocks, ps.slot_blocks.get(backend.name)),
+                      ask.tokens, ask.tenant)
         limits = Limits(UNKNOWN_CAPACITY_BLOCKS, None, None) if force else \
             Limits(max_blocks, self._token_limit(ps), self._tenant_max(ps, ask))
         store = self.state
@@ -428,3 +429,15 @@ def _ask_view(ask: Ask) -> AskView:
 
 def _no_backend(pool: str) -> NoBackendAvailable:
     return NoBackendAvailable(f"No healthy backend in pool `{pool}`.", retry_after_s=1)
+
+
+def _engine_view(sample: EngineSample, now: float) -> dict[str, object]:
+    """What /gateway/estimate shows of an engine's last report."""
+    out: dict[str, object] = {"kv_usage": sample.kv_usage, "waiting": sample.waiting,
+                              "running": sample.running, "age_s": round(now - sample.at, 3)}
+    if sample.slots is not None:  # llama.cpp: its slots and its own counters
+        out.update(slots=sample.slots, slot_tokens=sample.slot_tokens,
+                   busy_slots_per_decode=sample.busy_slots_per_decode,
+                   prompt_tokens_total=sample.prompt_tokens_total,
+                   predicted_tokens_total=sample.predicted_tokens_total)
+    return out

@@ -43,6 +43,9 @@ class BackendView:
     outstanding: int  # requests this gateway has in flight there
     ruled_out: str | None  # the engine's report or its prefill backlog excludes it, and why
     over_static_rule: bool  # the engine reports more waiting or KV than the static rule allows
+    # A slot engine's (llama.cpp) blocks per slot: each request there reserves one slot whole,
+    # so its block limit (slots x slot blocks) holds it at its slot count.
+    slot_blocks: int | None = None
 
     @property
     def headroom(self) -> int:
@@ -92,16 +95,17 @@ class AskView:
     waited_s: float = 0.0  # in the gateway before admission
 
 
-def reservation_blocks(ask_blocks: int, limit_blocks: int) -> int:
+def reservation_blocks(ask_blocks: int, limit_blocks: int, slot_blocks: int | None = None) -> int:
     """A reservation larger than a whole backend would never fit: capped at the limit, so the
-    request runs alone rather than waiting forever."""
-    return min(ask_blocks, max(1, limit_blocks))
+    request runs alone rather than waiting forever. On a slot engine a request takes one slot,
+    whatever its length."""
+    return min(slot_blocks or ask_blocks, max(1, limit_blocks))
 
 
 def fits(view: PoolView, backend: BackendView, ask: AskView) -> str | None:
     """None when `ask` fits on `backend`, else the limit it hits. The state backends check
     the same three limits, in the same order, atomically (gateway/state/)."""
-    blocks = reservation_blocks(ask.blocks, backend.limit_blocks)
+    blocks = reservation_blocks(ask.blocks, backend.limit_blocks, backend.slot_blocks)
     if backend.reserved_blocks + blocks > backend.limit_blocks:
         return "kv_blocks"
     # Alone on an empty pool a request is admitted whatever its tokens, so the token limit

@@ -60,6 +60,9 @@ class PoolState:
     tpot: WindowedQuantiles
     live: LiveStreams
     capacity: dict[str, int] = field(default_factory=dict)  # backend -> KV blocks
+    # Slot engines (llama.cpp): backend -> KV blocks of one slot, which every request there
+    # reserves whole: a slot's context is its own whether the request fills it or not.
+    slot_blocks: dict[str, int] = field(default_factory=dict)
     reserved: dict[str, int] = field(default_factory=dict)  # last known, backend -> blocks
     reserved_tokens: int = 0
     prefill: dict[str, int] = field(default_factory=dict)  # backend -> tokens before 1st byte

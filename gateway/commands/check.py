@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.admission.thresholds import Threshold, pool_planner_limits, thresholds_for
+from gateway.admission.thresholds import Threshold, Thresholds, pool_planner_limits, thresholds_for
 from gateway.policy import Policy, PolicyError, load_policy
-from gateway.policy.model import PoolSpec
+from gateway.policy.model import AdmissionSpec, PoolSpec
 from gateway.profiles import get_gpu, ledger
 from gateway.state.urls import CLUSTER, SENTINEL, parse_url, state_problem
 
@@ -130,6 +130,10 @@ def protections(policy: Policy, pool: PoolSpec) -> list[str]:
                    f"usage over {kv.value if kv.source != 'default' else 0.8:g} "
                    f"({kv.source})")
         return out
+    if pool.engine == "llamacpp":
+        out.append("slots: each engine takes as many requests as it has slots (llama.cpp "
+                   "/props total_slots, once scraped); the rest wait in the gateway's queue")
+        return out + _limits(th, why, a)
     blocks, where = _kv_capacity(policy, pool)
     kv = th.kv_usage_max
     engine_reports = pool.engine != "openai" and pool.kv_blocks is None
@@ -141,6 +145,12 @@ def protections(policy: Policy, pool: PoolSpec) -> list[str]:
         out.append(f"KV reservations: from the engines' own reports once scraped (no "
                    f"architecture or kv_blocks for a planned figure), up to kv_usage_max "
                    f"{kv.value:g} ({kv.source})")
+    return out + _limits(th, why, a)
+
+
+def _limits(th: Thresholds, why: dict[str, str], a: AdmissionSpec) -> list[str]:
+    """The limits beside the KV (or slot) reservations, and the queue."""
+    out = []
     for name, label, unit in (
             ("prefill_tokens_max", "prefill backlog", "tokens per engine"),
             ("inflight_tokens_max", "in-flight tokens", "tokens in the pool"),
@@ -179,7 +189,10 @@ def warnings(policy: Policy) -> list[tuple[str, str]]:
         limits = [th.prefill_tokens_max, th.inflight_tokens_max, th.waiting_max,
                   th.ttft_p99_max_s, th.tpot_p99_max_s]
         kv_known = _kv_capacity(policy, pool)[0] is not None or pool.engine != "openai"
-        if not any(t.value is not None for t in limits):
+        if not any(t.value is not None for t in limits) and pool.engine == "llamacpp":
+            out.append((name, "no protection in force beyond the engines' slots and the "
+                        "queue deadline: run `loadtest calibrate` for latency limits"))
+        elif not any(t.value is not None for t in limits):
             out.append((name, "no protection in force beyond the KV cache: give its model an "
                         "architecture and keep defaults.slo (limits from the planner), or run "
                         "`loadtest calibrate`" if kv_known else

@@ -102,6 +102,17 @@ def _start_engines(policy: Policy, time_scale: float) -> list[subprocess.Popen[b
             assert model is not None
             arch = model.architecture.profile if model.architecture else None
             port = urlsplit(b.url).port or 80
+            if pool.engine == "llamacpp":
+                # A real engine: llama.cpp's server with a tiny random model (built and made
+                # on first use, then cached; loadtest/llamacpp/).
+                print(f"gateway demo: engine {pool_name}/{b.name} on 127.0.0.1:{port} "
+                      "(llama-server, tiny random Qwen2)", file=sys.stderr)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "loadtest.llamacpp", "--port", str(port),
+                     "--slot-context", str(pool.max_model_len),
+                     "--served-model-name", model.upstream_name, "--quiet"],
+                    start_new_session=True, preexec_fn=_die_with_parent))
+                continue
             cmd = [sys.executable, "-m", "loadtest", "sim",
                    "--model", arch or "qwen2.5-72b", "--gpu", pool.gpu, "--tp", str(pool.tp),
                    "--port", str(port), "--served-model-name", model.upstream_name,

@@ -154,6 +154,15 @@ class GatewayMetrics:
         self.engine_kv_usage = Gauge(
             "gateway_engine_kv_usage_ratio", "The engine's own KV cache usage (0-1), scraped.",
             ["pool", "backend"], registry=r, multiprocess_mode="livemostrecent")
+        self.engine_requests = Gauge(
+            "gateway_engine_requests", "Requests the engine reports, scraped: `running` "
+            "(vLLM/SGLang running, llama.cpp requests_processing) and `waiting` (queued in the "
+            "engine; llama.cpp requests_deferred).", ["pool", "backend", "state"], registry=r,
+            multiprocess_mode="livemostrecent")
+        self.engine_slots = Gauge(
+            "gateway_engine_slots", "A slot engine's slots (llama.cpp /props total_slots): the "
+            "most requests the gateway runs there at once.", ["pool", "backend"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.latency_guard_limit = Gauge(
             "gateway_latency_guard_limit_tokens", "In-flight tokens the latency guard allows "
             "the pool now.", ["pool"], registry=r, multiprocess_mode="livemin")

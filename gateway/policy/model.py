@@ -215,7 +215,9 @@ class PricingSpec(Strict):
 
 
 class PoolSpec(Strict):
-    engine: Literal["vllm", "sglang", "openai"] = "vllm"
+    # llamacpp: llama.cpp's llama-server (run with --metrics): load from its /metrics, slots
+    # and context per slot from /props; the gateway holds each backend at its slot count.
+    engine: Literal["vllm", "sglang", "llamacpp", "openai"] = "vllm"
     models: Annotated[list[str], Field(min_length=1)]
     max_model_len: PositiveInt
     backends: Annotated[list[BackendSpec], Field(min_length=1)]

@@ -1,4 +1,4 @@
-"""Scrape each engine's own /metrics (vLLM or SGLang names) for load and capacity.
+"""Scrape each engine's own /metrics (vLLM, SGLang or llama.cpp names) for load and capacity.
 
 Only the few lines the gateway needs are read, by prefix, without a full exposition parse: a
 vLLM page is ~100 KB of histograms, and this runs every second per backend on the event loop.
@@ -9,11 +9,16 @@ One backend's page may hold several series of a name: one per data-parallel engi
 `engine` label), one per scheduler rank (SGLang's `tp_rank`/`dp_rank`), or an old and a new name
 for one quantity. They are combined the way the engine itself combines them (`_vllm`,
 `_sglang`), never simply summed.
+
+llama.cpp's server has no KV gauge: it runs a fixed number of slots, each with its own context,
+and defers what finds no free slot. Its capacity comes from `/props` (slots, context per slot),
+fetched with the first scrape and again after a failed one (a restart may change `-np`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -43,6 +48,16 @@ _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "sglang": {"running": ("sglang:num_running_reqs",), "waiting": ("sglang:num_queue_reqs",),
                "kv_usage": ("sglang:token_usage",),
                "max_tokens": ("sglang:max_total_num_tokens",)},
+    # llama.cpp (server --metrics): tools/server/server-task.cpp,
+    # server_task_result_metrics::to_metrics, pinned by tools/engine-llamacpp. Gauges:
+    # requests_processing (slots processing), requests_deferred (tasks waiting for a slot),
+    # n_busy_slots_per_decode (mean busy slots per llama_decode() call, since start); counters
+    # prompt_tokens_total (excluding cached) and tokens_predicted_total. No labels.
+    "llamacpp": {"running": ("llamacpp:requests_processing",),
+                 "waiting": ("llamacpp:requests_deferred",),
+                 "busy_slots": ("llamacpp:n_busy_slots_per_decode",),
+                 "prompt_tokens": ("llamacpp:prompt_tokens_total",),
+                 "predicted_tokens": ("llamacpp:tokens_predicted_total",)},
 }
 # vLLM's info-style gauge (value 1): the engine's CacheConfig as labels, one line per engine
 # (PrometheusStatLogger.log_metrics_info; CacheConfig.metrics_info in vllm/config/cache.py).
@@ -51,6 +66,7 @@ _VLLM_CACHE_CONFIG = "vllm:cache_config_info"
 _WANTED: dict[str, tuple[str, ...]] = {
     "vllm": (_VLLM_CACHE_CONFIG, *(n for ns in _NAMES["vllm"].values() for n in ns)),
     "sglang": tuple(n for ns in _NAMES["sglang"].values() for n in ns),
+    "llamacpp": tuple(n for ns in _NAMES["llamacpp"].values() for n in ns),
 }
 _NAME = re.compile(r"[^\s{]+")
 _LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
@@ -74,6 +90,13 @@ class EngineSample:
     # max_total_num_tokens, vLLM's kv_cache_size_tokens; summed over data-parallel engines.
     max_tokens: int | None = None
     engines: int | None = None  # data-parallel engines (vLLM) or DP groups (SGLang) combined
+    # llama.cpp: slots (`-np`) and each slot's context in tokens, from /props; the gauge of
+    # busy slots per decode call and the token counters, from /metrics.
+    slots: int | None = None
+    slot_tokens: int | None = None
+    busy_slots_per_decode: float | None = None
+    prompt_tokens_total: float | None = None
+    predicted_tokens_total: float | None = None
 
 
 def _series(line: str, start: int) -> Series | None:
@@ -199,7 +222,39 @@ def _sglang(found: dict[str, list[Series]], at: float) -> EngineSample:
         engines=len(groups) or None)
 
 
-def parse_engine_metrics(text: str, engine: str, at: float) -> EngineSample:
+def _llamacpp(found: dict[str, list[Series]], at: float,
+              props: tuple[int, int] | None) -> EngineSample:
+    """llama.cpp: one unlabelled series per name (one server, one model)."""
+    def one(quantity: str) -> float | None:
+        series = _present(found, _NAMES["llamacpp"][quantity])
+        return series[0][1] if series else None
+
+    slots, slot_tokens = props if props is not None else (None, None)
+    return EngineSample(
+        at=at, running=one("running"), waiting=one("waiting"),
+        max_tokens=slots * slot_tokens if slots and slot_tokens else None,
+        engines=1, slots=slots, slot_tokens=slot_tokens,
+        busy_slots_per_decode=one("busy_slots"), prompt_tokens_total=one("prompt_tokens"),
+        predicted_tokens_total=one("predicted_tokens"))
+
+
+def parse_llamacpp_props(text: str) -> tuple[int, int] | None:
+    """(slots, context tokens per slot) from llama.cpp's GET /props: `total_slots` (the
+    server's n_parallel) and `default_generation_settings.n_ctx` (the slot's n_ctx_slot(),
+    tools/server/server-context.cpp); None when either is missing or not a positive integer."""
+    try:
+        props = json.loads(text)
+        slots = props["total_slots"]
+        n_ctx = props["default_generation_settings"]["n_ctx"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (slots, n_ctx)):
+        return None
+    return slots, n_ctx
+
+
+def parse_engine_metrics(text: str, engine: str, at: float,
+                         props: tuple[int, int] | None = None) -> EngineSample:
     wanted = _WANTED.get(engine)
     if wanted is None:
         return EngineSample(at=at)
@@ -213,7 +268,20 @@ def parse_engine_metrics(text: str, engine: str, at: float) -> EngineSample:
         series = _series(line, m.end())
         if series is not None:
             found.setdefault(m.group(0), []).append(series)
+    if engine == "llamacpp":
+        return _llamacpp(found, at, props)
     return _vllm(found, at) if engine == "vllm" else _sglang(found, at)
+
+
+async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status != 200:
+                return None
+            return await r.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+        forget(exc)  # a down engine's every scrape would leave a cycle for the sweep
+        return None
 
 
 class EngineScraper:
@@ -223,6 +291,7 @@ class EngineScraper:
         self.max_age_s = max_age_s
         self.clock = clock
         self.samples: dict[tuple[str, str], EngineSample] = {}
+        self.props: dict[tuple[str, str], tuple[int, int]] = {}  # llama.cpp: slots, per slot
 
     def fresh(self, pool: str, backend: str) -> EngineSample | None:
         s = self.samples.get((pool, backend))
@@ -232,15 +301,25 @@ class EngineScraper:
 
     async def scrape(self, session: aiohttp.ClientSession, pool: str, backend: str,
                      url: str, engine: str, timeout_s: float) -> EngineSample | None:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    return None
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
-            forget(exc)
-            return None
-        sample = parse_engine_metrics(text, engine, self.clock())
+        key = (pool, backend)
+        text = await _get(session, url, timeout_s)
+        if text is None:
+            self.props.pop(key, None)  # it may come back restarted with other slots
+            if engine != "llamacpp":
+                return None
+        props = None
+        if engine == "llamacpp":
+            props = self.props.get(key)
+            if props is None:
+                page = await _get(session, url.removesuffix("/metrics") + "/props", timeout_s)
+                props = None if page is None else parse_llamacpp_props(page)
+            if props is None:
+                return None
+            if text is not None:
+                self.props[key] = props
+            # A server started without --metrics answers /metrics with 501: its slots are
+            # still known from /props (the limit holds), its load is unknown.
+        sample = parse_engine_metrics(text or "", engine, self.clock(), props)
         self.samples[(pool, backend)] = sample
         return sample
 
