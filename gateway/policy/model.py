@@ -120,10 +120,21 @@ class ModelSpec(Strict):
         return self.served_name or self.name
 
 
+class KvEventsSpec(Strict):
+    """Where an engine publishes its KV cache events (vLLM `--kv-events-config`: a ZMQ PUB
+    `endpoint`, a ROUTER `replay_endpoint` for missed sequence numbers, and a `topic`)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class BackendSpec(Strict):
     name: Name
     url: str
     api_key_env: str | None = None  # env var holding the key sent to this engine
+    # Its KV cache events, for `routing.prefix.mode: precise`; unset: approximate for it.
+    kv_events: KvEventsSpec | None = None
 
     @field_validator("url")
     @classmethod
@@ -214,6 +225,36 @@ class PricingSpec(Strict):
             else sum((self.per_gpu_hour or {}).values())
 
 
+class PrefixRoutingSpec(Strict):
+    """Prefix-cache-aware choice of backend within a pool (gateway/routing.py `prefix_order`).
+
+    Each backend is scored by the share of the prompt it would serve from its prefix cache
+    against its load; no backend is preferred while it holds more than (1 + imbalance_epsilon)
+    x the mean in-flight tokens and another holds less.
+    """
+
+    # off: most KV headroom first (as before). approximate: the index learnt from what this
+    # gateway sent. precise: the engines' KV cache events where a backend has `kv_events`.
+    # shadow: approximate evaluated and counted, placement as with off. session: affinity by
+    # session only (consistent hashing), no prefix index.
+    mode: Literal["off", "approximate", "precise", "shadow", "session"] = "approximate"
+    cache_weight: NonNegativeFloat = 1.0  # x the share of the prompt cached there
+    kv_weight: NonNegativeFloat = 0.3  # x the share of its KV limit reserved
+    prefill_weight: NonNegativeFloat = 0.3  # x its prefill backlog, as a share of the pool's
+    imbalance_epsilon: NonNegativeFloat = 0.25
+    # Where no backend holds any of the prompt: the backend the session's hash picks
+    # (header `session_header`, else the request's `user` field), within the same bound.
+    session_affinity: bool = True
+    session_header: Annotated[str, Field(pattern=r"^[a-z0-9-]+$", max_length=64)] = \
+        "x-session-id"
+    # The approximate index's capacity per backend, in blocks; unset: the backend's KV blocks.
+    capacity_blocks: PositiveInt | None = None
+
+
+class RoutingSpec(Strict):
+    prefix: PrefixRoutingSpec = PrefixRoutingSpec()
+
+
 class PoolSpec(Strict):
     engine: Literal["vllm", "sglang", "openai"] = "vllm"
     models: Annotated[list[str], Field(min_length=1)]
@@ -238,6 +279,7 @@ class PoolSpec(Strict):
     overflow_to: str | None = None
     overflow_max_concurrent: PositiveInt = 2
     admission: AdmissionSpec = AdmissionSpec()
+    routing: RoutingSpec = RoutingSpec()
     cost: PricingSpec | None = None
 
     @field_validator("backends")
