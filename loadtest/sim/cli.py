@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-hash-block-size", type=int, default=512,
                    help="tokens per id in a request's prefix_hash_ids (Mooncake: 512)")
 
+    k = parser.add_argument_group("KV cache events (as vllm serve --kv-events-config)")
+    k.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish BlockStored/BlockRemoved/AllBlocksCleared on a PUB socket "
+                        "bound here, in vLLM's format (default: off)")
+    k.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="a ROUTER socket bound here replays missed batches")
+    k.add_argument("--kv-events-topic", default="", help="topic frame (default: empty)")
+
     s = parser.add_argument_group("simulation")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second: >1 slows the engine down (default: 1)")
@@ -104,6 +112,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_queued_reqs=args.max_num_queued_reqs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash_block_size=args.prefix_hash_block_size, time_scale=args.time_scale,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer, chat_template=args.chat_template, seed=args.seed,
         faults=FaultSettings(fail_rate=args.fail_rate, drop_rate=args.drop_rate,
                              drop_after_tokens=args.drop_after_tokens,

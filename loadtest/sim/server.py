@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -45,6 +45,7 @@ from loadtest.sim.faults import (
     RequestFaults,
     parse_update,
 )
+from loadtest.sim.kv_events import KVEventPublisher, run_replay
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.outputs import OutputLengths
 from loadtest.sim.protocol import (
@@ -104,6 +105,7 @@ class SimApp:
         self.tokenizer = tokenizer
         self.counter: TokenCounter | None = None
         self.listener: Listener | None = None  # set by serve(); needed for the "down" fault
+        self.kv_events: KVEventPublisher | None = None  # --kv-events-endpoint
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -132,6 +134,14 @@ class SimApp:
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template)
         self.counter = TokenCounter(self.tokenizer)
+        if self.config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(self.config.kv_events_endpoint,
+                                              self.config.kv_events_replay_endpoint,
+                                              self.config.kv_events_topic)
+            self.core.kv.pool.events = self.kv_events
+            task = asyncio.create_task(run_replay(self.kv_events), name="sim-kv-replay")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine-loop")
         log.info("simulated engine: %s", self.spec.describe())
 
@@ -146,6 +156,10 @@ class SimApp:
                 request.on_progress(request)
         if self.counter is not None:
             self.counter.close()
+        if self.kv_events is not None:
+            for task in list(self._background):
+                task.cancel()
+            self.kv_events.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -198,6 +212,8 @@ class SimApp:
                 self.late_s -= delay
             await asyncio.sleep(delay if delay > 0 else 0)
             events = core.finish_step(step, loop.time())
+            if self.kv_events is not None:
+                self.kv_events.flush()  # one batch per step, as vLLM's engine core
             self.metrics.observe_step(core, events)
             for request in events.emitted:
                 if request.on_progress is not None:
@@ -253,7 +269,8 @@ class SimApp:
 
     async def enter(self, arrival: float, request_id: str, prompt_tokens: int,
                     hashes: list[int], max_tokens: int, min_tokens: int, ignore_eos: bool,
-                    on_progress: Callable[[SimRequest], None]) -> SimRequest:
+                    on_progress: Callable[[SimRequest], None],
+                    prompt_ids: Sequence[int] = ()) -> SimRequest:
         """A measured request into the engine's waiting queue (every generating endpoint): the
         API server's time, then the in-flight cap (ApiError 503), then the queue."""
         loop = asyncio.get_running_loop()
@@ -269,7 +286,8 @@ class SimApp:
                            "Please retry later.")
         target = self.lengths.draw(max_tokens, min(min_tokens, max_tokens), ignore_eos)
         request = SimRequest(request_id, prompt_tokens, max_tokens, target, arrival, hashes,
-                             salt=next(self._salts), on_progress=on_progress)
+                             salt=next(self._salts), on_progress=on_progress,
+                             prompt_ids=prompt_ids)
         # No await between the in-flight check above and this add: the count is exact.
         self.core.add(request)
         self._wake.set()
@@ -461,6 +479,8 @@ class SimApp:
             if request.on_progress is not None:
                 request.on_progress(request)
         self.core.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.metrics.observe_state(self.core)
 
 
