@@ -45,7 +45,12 @@ class Subscriber:
 
     async def run(self) -> None:
         """Until cancelled; never raises for anything the engine sends."""
-        self._open()
+        try:
+            self._open()
+        except zmq.ZMQError as exc:  # an endpoint ZMQ cannot connect to: approximate for good
+            self.close()
+            self.follower.fault("disconnected", f"{self.source.endpoint}: {exc}")
+            return
         monitor = asyncio.create_task(self._watch_connection(), name="kv-events-monitor")
         try:
             while True:
