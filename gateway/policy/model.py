@@ -128,6 +128,21 @@ class KvEventsSpec(Strict):
     replay_endpoint: str | None = None
     topic: str = ""
 
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if not sep or not rest or scheme not in ("tcp", "ipc"):
+            raise ValueError(f"expected a ZMQ endpoint like tcp://host:port or ipc://path, "
+                             f"got {value!r}")
+        if scheme == "tcp":
+            port = rest.rpartition(":")[2]
+            if ":" not in rest or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"expected tcp://host:port with a port, got {value!r}")
+        return value
+
 
 class BackendSpec(Strict):
     name: Name
@@ -242,6 +257,9 @@ class PrefixRoutingSpec(Strict):
     kv_weight: NonNegativeFloat = 0.3  # x the share of its KV limit reserved
     prefill_weight: NonNegativeFloat = 0.3  # x its prefill backlog, as a share of the pool's
     imbalance_epsilon: NonNegativeFloat = 0.25
+    # ... or by more than this many tokens over the mean, whichever is more: at low load a
+    # relative bound alone would split every conversation (SGLang's balance_abs_threshold).
+    imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 8192
     # Where no backend holds any of the prompt: the backend the session's hash picks
     # (header `session_header`, else the request's `user` field), within the same bound.
     session_affinity: bool = True
@@ -249,6 +267,12 @@ class PrefixRoutingSpec(Strict):
         "x-session-id"
     # The approximate index's capacity per backend, in blocks; unset: the backend's KV blocks.
     capacity_blocks: PositiveInt | None = None
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        # YAML 1.1 reads a bare `off` as false: take it as the word it was meant as.
+        return "off" if value is False else value
 
 
 class RoutingSpec(Strict):

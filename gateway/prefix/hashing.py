@@ -22,6 +22,7 @@ anything (the engine's own cache is keyed by the engine's own hash).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 # The parent of a prompt's first block. vLLM seeds its chain with a random (or
@@ -45,7 +46,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int = ROOT_HAS
         raise ValueError("block_size must be positive")
     out: list[int] = []
     parent = seed
-    ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+    ids = token_ids if isinstance(token_ids, (list, tuple, array)) else list(token_ids)
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(ids[start:start + block_size])))
         out.append(parent)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 
 class IndexMode(enum.Enum):
@@ -40,6 +40,9 @@ class PrefixIndex:
         self.capacity_blocks = max(1, capacity_blocks)
         self._blocks: OrderedDict[int, int | None] = OrderedDict()
         self._by_engine: dict[int, int] = {}  # engine hash -> gateway hash (precise mode)
+        # gateway hash -> requests in flight holding it (kept apart from the cache: a block in
+        # use is never evicted, and a forget leaves the requests' own bookkeeping alone)
+        self._held: dict[int, int] = {}
         self.clamped = 0  # blocks dropped because more were stored than the capacity
         self.evicted = 0  # blocks aged out (either mode)
 
@@ -52,13 +55,26 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are held (the cached prefix, in blocks).
         Pure: a match does not refresh the blocks (a preview must change nothing)."""
-        blocks = self._blocks
-        n = 0
+        return _leading(self._blocks, hashes)
+
+    def acquire(self, hashes: Sequence[int]) -> None:
+        """A request in flight holds these blocks at the engine (they are shared, not free)."""
+        held = self._held
         for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+            held[h] = held.get(h, 0) + 1
+
+    def release(self, hashes: Sequence[int]) -> None:
+        held = self._held
+        for h in hashes:
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+
+    def held(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` requests in flight hold now."""
+        return _leading(self._held, hashes)
 
     def store(self, hashes: Sequence[int], engine_hashes: Sequence[int] | None = None) -> int:
         """Hold `hashes` (a prompt's blocks in order, or an event's), most recent first block;
@@ -131,6 +147,32 @@ class PrefixIndex:
         else:
             self.evicted += over
         return over
+
+
+def _leading(held: Container[int], hashes: Sequence[int]) -> int:
+    """The number of leading `hashes` in `held`, assuming the held ones form a prefix: probes
+    at 1, 2, 4, ... blocks, then bisects the last gap, O(log n) lookups. Chained hashes make
+    a held block's ancestors held too in both modes (a prompt is stored first block last, and
+    engines evict a sequence's tail first), so this is the linear count in practice; where an
+    ancestor did go first, the count is what the engine would report as far as that block."""
+    n = len(hashes)
+    if n == 0 or hashes[0] not in held:
+        return 0
+    lo, step = 1, 1  # hashes[:lo] are held
+    while lo < n:
+        probe = min(n, lo + step)
+        if hashes[probe - 1] not in held:
+            hi = probe - 1  # hashes[hi] is not held
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in held:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
+        lo = probe
+        step *= 2
+    return n
 
 
 class PrefixIndexes:

@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a stored response is kept after its last update "
                         f"(default: {d.responses_store_ttl_s:g})")
 
+    o.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prompt_tokens_details,
+                   help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag "
+                        "(off by default in vLLM; default here: on)")
+
     n = parser.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     n.add_argument("--port", type=int, default=8001)
@@ -126,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def options_from_args(args: argparse.Namespace) -> EndpointOptions:
     options = EndpointOptions(image_tokens=args.image_tokens, embedding_dim=args.embedding_dim,
                               responses_store_max=args.responses_store_max,
-                              responses_store_ttl_s=args.responses_store_ttl_s)
+                              responses_store_ttl_s=args.responses_store_ttl_s,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     options.check()
     return options
 

@@ -1,0 +1,194 @@
+"""Prefix-aware routing and cost (issue 19): the placement rule as plain code, then a real
+gateway in front of two simulated engines, where a repeated conversation hits the engine's
+prefix cache where the gateway predicted it would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
+from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import gateway_cmd, http, metric, openai_client, quiet, scrape
+
+RULE = PrefixRule(epsilon=0.25, slack_tokens=0)
+
+
+def backend(name: str, **kw: object) -> BackendView:
+    base = BackendView(name=name, available=True, limit_blocks=10_000, reserved_blocks=0,
+                       outstanding=0, ruled_out=None, over_static_rule=False)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def pool(backends: Sequence[BackendView], rule: PrefixRule | None = RULE) -> PoolView:
+    return PoolView(name="p", mode="enforce", backends=tuple(backends), reserved_tokens=0,
+                    token_limit=None, tenant_held=0, tenant_max=None, overflow_inflight=0,
+                    overflow_cap=None, queue_size=8, queue_admits=True, predicted_wait_s=0.0,
+                    deadline_s=10.0, prefix=rule)
+
+
+ASK = AskView(blocks=200, tokens=3000, prompt_tokens=2800)
+
+
+def test_conversation_stays_on_its_backend_until_past_the_bound() -> None:
+    # a holds 2,400 of the prompt's 2,800 tokens; b and c hold nothing and have more headroom.
+    a = backend("a", cached_tokens=2400, reserved_blocks=500)
+    b, c = backend("b"), backend("c")
+    # Loads within the bound (L + 3000 <= 1.25 x (L + 9000) / 3, so L <= 1285): the cache wins
+    # over headroom, turn after turn.
+    for load in (0, 1000, 1285):
+        view = pool([replace(a, inflight_tokens=load), replace(b, inflight_tokens=3000),
+                     replace(c, inflight_tokens=3000)])
+        assert place(view, ASK).backend == "a", load
+    # L = 9000 against 3000 and 2000: 12000 > 1.25 x 17000 / 3, so a is tried last; b and c
+    # are within the bound (6000 and 5000 <= 7083) and tie on score: policy order.
+    view = pool([replace(a, inflight_tokens=9000), replace(b, inflight_tokens=3000),
+                 replace(c, inflight_tokens=2000)])
+    assert [x.name for x in prefix_order(view.backends, RULE, 3000, 2800)] == ["b", "c", "a"]
+    assert place(view, ASK).backend == "b"
+    # The same with the absolute slack: 9000 + 3000 <= 17000 / 3 + 8192, so it stays.
+    view = pool(view.backends, replace(RULE, slack_tokens=8192))
+    assert place(view, ASK).backend == "a"
+
+
+def test_least_loaded_backend_is_always_within_the_bound() -> None:
+    # Two idle backends and a large request: the mean after it cannot hold it anywhere, but
+    # placing on the least loaded is always allowed.
+    a, b = backend("a", cached_tokens=2000), backend("b")
+    assert prefix_order([a, b], RULE, ask_tokens=100_000, prompt_tokens=2800)[0] is a
+
+
+def test_prompts_that_never_repeat_are_placed_and_charged_as_before() -> None:
+    backends = [backend("a", reserved_blocks=900), backend("b", reserved_blocks=100),
+                backend("c", reserved_blocks=400, inflight_tokens=99_999)]
+    assert prefix_order(backends, RULE, 3000, 2800) == most_headroom_first(backends)
+    prefix_off = pool(backends, rule=None)
+    on = pool(backends)
+    assert decide(on, ASK) == decide(prefix_off, ASK)
+    assert all(blocks_on(b, ASK.blocks) == ASK.blocks for b in backends)
+
+
+def test_blocks_held_for_requests_in_flight_are_not_reserved_twice() -> None:
+    b = backend("a", shared_blocks=150, cached_tokens=2400)
+    assert blocks_on(b, 200) == 50
+    assert blocks_on(replace(b, shared_blocks=500), 200) == 1  # never less than a block
+    # A backend whose KV limit only fits the request with the sharing takes it.
+    tight = replace(b, limit_blocks=1000, reserved_blocks=900)
+    assert place(pool([tight]), ASK).backend == "a"
+    assert place(pool([replace(tight, shared_blocks=0)]), ASK).backend is None
+
+
+def test_session_affinity_within_the_bound() -> None:
+    a, b = backend("a"), backend("b", affinity=True, reserved_blocks=2000)
+    assert place(pool([a, b]), ASK).backend == "b"
+    # Past the bound the session's backend waits its turn like any other.
+    loaded = replace(b, inflight_tokens=50_000)
+    assert place(pool([a, loaded]), ASK).backend == "a"
+
+
+def test_shadow_rule_places_by_headroom() -> None:
+    a = backend("a", cached_tokens=2400, reserved_blocks=500)
+    b = backend("b")
+    assert place(pool([a, b], replace(RULE, act=False)), ASK).backend == "b"
+    assert place(pool([a, b]), ASK).backend == "a"
+
+
+# --- end to end: a real gateway, two simulated engines ----------------------------------------
+
+SYSTEM = "You are a careful assistant for a parts catalogue. " * 60  # ~600 tokens
+
+
+def turn(history: list[Any], text: str) -> list[Any]:
+    return [*history, {"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_repeated_conversation_hits_the_engine_cache_where_predicted(
+        start_sim: StartSim, start_gateway: StartGateway, stream: bool) -> None:
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url])) as gw:
+        client = openai_client(gw.url)
+        history: list[Any] = [{"role": "system", "content": SYSTEM}]
+        seen: list[tuple[str, int, int, int]] = []  # backend, predicted, engine cached, prompt
+        for k in range(3):
+            history = turn(history, f"Question {k}: which bolts fit part {uuid.uuid4().hex}?")
+            raw = client.chat.completions.with_raw_response.create(
+                model="test-model", messages=history, max_tokens=8, stream=stream,
+                stream_options={"include_usage": True} if stream else None)
+            predicted = int(raw.headers["x-gateway-cached-tokens"])
+            answer: Any = raw.parse()
+            usage = [c.usage for c in answer if c.usage is not None][-1] if stream \
+                else answer.usage
+            assert usage is not None
+            details = usage.prompt_tokens_details
+            engine = details.cached_tokens or 0 if details is not None else 0
+            seen.append((raw.headers["x-gateway-backend"], predicted, engine,
+                         usage.prompt_tokens))
+            history.append({"role": "assistant", "content": "Those of size M6."})
+        backends = {b for b, *_ in seen}
+        assert len(backends) == 1, seen  # the conversation stayed where its cache is
+        assert seen[0][1] == 0 and seen[0][2] == 0
+        for _, predicted, engine, prompt in seen[1:]:
+            assert predicted > 500 and predicted == engine, seen
+            assert predicted < prompt
+        samples = quiet(gw.url)
+        assert metric(samples, "gateway_kv_reserved_blocks") == 0
+        assert metric(samples, "gateway_prefix_predicted_cached_tokens_total") == \
+            metric(samples, "gateway_prefix_engine_cached_tokens_total") == \
+            sum(p for _, p, _, _ in seen)
+        assert metric(samples, "gateway_prefix_placements_total", by="prefix") == 2
+
+
+def test_estimate_shows_cached_tokens_and_score_per_backend(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url])) as gw:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+        body = {"model": "test-model", "messages": messages, "max_tokens": 4}
+        first = http("POST", gw.url + "/v1/chat/completions", body)
+        assert first.status == 200 and first.headers["x-gateway-cached-tokens"] == "0"
+        where = first.headers["x-gateway-backend"]
+        reply = http("POST", gw.url + "/gateway/estimate", body)
+        assert reply.status == 200, reply.body
+        out = json.loads(reply.body)
+        backends = out["decision"]["backends"]
+        assert backends[where]["prefix"]["cached_tokens"] > 500
+        other = next(name for name in backends if name != where)
+        assert backends[other]["prefix"]["cached_tokens"] == 0
+        assert backends[where]["prefix"]["score"] > backends[other]["prefix"]["score"]
+        assert out["decision"]["backend"] == where
+        assert out["prompt_blocks_hashed"] > 0
+        quiet(gw.url)
+
+
+def test_prefix_off_is_headroom_routing_with_a_zero_header(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    off = "    routing: {prefix: {mode: \"off\"}}\n"
+    with start_sim() as s0, start_gateway(policy_yaml([s0.url], pool_extra=off)) as gw:
+        body = {"model": "test-model", "max_tokens": 4,
+                "messages": [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": "Hi"}]}
+        for _ in range(2):
+            reply = http("POST", gw.url + "/v1/chat/completions", body)
+            assert reply.status == 200
+            assert reply.headers["x-gateway-cached-tokens"] == "0"
+        samples = scrape(gw.url)
+        assert metric(samples, "gateway_prefix_prompt_tokens_total") == 0
+
+
+def test_bad_routing_policy_is_refused_at_load(tmp_path: Path) -> None:
+    bad = "    routing: {prefix: {mode: sometimes}}\n"
+    path = tmp_path / "bad.yaml"
+    path.write_text(policy_yaml(["http://127.0.0.1:9"], pool_extra=bad))
+    out = subprocess.run(gateway_cmd("check", str(path)), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    assert "routing.prefix.mode" in out.stdout + out.stderr
