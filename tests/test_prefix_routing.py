@@ -17,7 +17,7 @@ import pytest
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import gateway_cmd, http, metric, openai_client, quiet, scrape
+from tests.servers import gateway_cmd, http, loadtest_cmd, metric, openai_client, quiet, scrape
 
 RULE = PrefixRule(epsilon=0.25, slack_tokens=0)
 
@@ -192,3 +192,25 @@ def test_bad_routing_policy_is_refused_at_load(tmp_path: Path) -> None:
                          timeout=60)
     assert out.returncode != 0
     assert "routing.prefix.mode" in out.stdout + out.stderr
+
+
+def test_loadtest_multiturn_reports_engine_predicted_and_potential_hit_rates(
+        start_sim: StartSim, start_gateway: StartGateway, tmp_path: Path) -> None:
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url])) as gw:
+        out = tmp_path / "run.json"
+        done = subprocess.run(loadtest_cmd(
+            "run", "--url", gw.url, "--multiturn",
+            "conversations=4,turns=3,system=1024,turn=512,out=4,think=0.4,start=10",
+            "--duration", "20", "--no-progress", "--out", str(out)),
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "Prefix cache" in done.stdout
+        prefix = json.loads(out.read_text())["prefix_cache"]
+        # 12 requests of 3, 4, 5 blocks of 512 (+ 32 unique tokens): the 2 system blocks hit
+        # for the 3 later conversations, each turn's whole history for its next turn.
+        assert prefix["potential_hit_rate"] == pytest.approx(
+            (3 * 2 + 4 * 3 + 4 * 4) * 512 / (4 * (1568 + 2080 + 2592)), abs=0.001)
+        assert prefix["engine_hit_rate"] > 0.4
+        assert abs(prefix["predicted_hit_rate"] - prefix["engine_hit_rate"]) < 0.1
+        quiet(gw.url)
