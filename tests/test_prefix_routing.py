@@ -214,3 +214,86 @@ def test_loadtest_multiturn_reports_engine_predicted_and_potential_hit_rates(
         assert prefix["engine_hit_rate"] > 0.4
         assert abs(prefix["predicted_hit_rate"] - prefix["engine_hit_rate"]) < 0.1
         quiet(gw.url)
+
+
+def test_every_exit_returns_reservations_and_held_blocks_to_zero(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A cached conversation's turns end every way a request can end; after each, nothing is
+    reserved, nothing held in the prefix index, no in-flight tokens counted, no backlog.
+    (Failures do not eject the backend here: an ejection forgets its index, tested apart.)"""
+    with start_sim() as s0, start_gateway(policy_yaml([s0.url]).replace(
+            "failure_threshold: 2", "failure_threshold: 100")) as gw:
+        client = openai_client(gw.url)
+        history: list[Any] = [{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "Which bolts fit part 7?"}]
+        body = {"model": "test-model", "messages": history, "max_tokens": 4}
+
+        def check_zero() -> None:
+            samples = quiet(gw.url)
+            assert metric(samples, "gateway_kv_reserved_blocks") == 0
+            out = json.loads(http("POST", gw.url + "/gateway/estimate", body).body)
+            prefix = out["decision"]["backends"]["e0"]["prefix"]
+            assert prefix["shared_blocks"] == 0 and prefix["inflight_tokens"] == 0, prefix
+            assert out["decision"]["backends"]["e0"]["prefill_pending_tokens"] == 0
+
+        assert http("POST", gw.url + "/v1/chat/completions", body).status == 200  # completed
+        check_zero()
+        # The caller leaves mid-stream.
+        stream = client.chat.completions.create(
+            model="test-model", messages=history, max_tokens=4000, stream=True,
+            extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        next(it)
+        stream.close()
+        check_zero()
+        # The engine fails the request.
+        assert http("POST", s0.url + "/admin/faults", {"fail_rate": 1.0}).status == 200
+        assert http("POST", gw.url + "/v1/chat/completions", body).status >= 500
+        assert http("POST", s0.url + "/admin/faults", {"fail_rate": 0.0}).status == 200
+        check_zero()
+        # The engine drops the connection mid-stream.
+        assert http("POST", s0.url + "/admin/faults",
+                    {"drop_rate": 1.0, "drop_after_tokens": 2}).status == 200
+        with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a cut stream varies
+            list(client.chat.completions.create(model="test-model", messages=history,
+                                                max_tokens=50, stream=True))
+        assert http("POST", s0.url + "/admin/faults", {"drop_rate": 0.0}).status == 200
+        check_zero()
+        # A request refused before admission (its prompt is over the context window).
+        too_long = {**body, "max_tokens": 100_000}
+        assert http("POST", gw.url + "/v1/chat/completions", too_long).status == 400
+        check_zero()
+        # And the conversation still hits where the gateway predicts it.
+        raw = client.chat.completions.with_raw_response.create(
+            model="test-model", messages=history, max_tokens=4)
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        engine_cached = usage.prompt_tokens_details.cached_tokens or 0
+        assert int(raw.headers["x-gateway-cached-tokens"]) == engine_cached > 500
+        check_zero()
+
+
+def test_an_ejected_backend_forgets_what_it_held(start_sim: StartSim,
+                                                 start_gateway: StartGateway) -> None:
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url])) as gw:
+        body = {"model": "test-model", "max_tokens": 4,
+                "messages": [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": "Hi"}]}
+        first = http("POST", gw.url + "/v1/chat/completions", body)
+        where = first.headers["x-gateway-backend"]
+        sim = s0 if where == "e0" else s1
+
+        def cached() -> int:
+            out = json.loads(http("POST", gw.url + "/gateway/estimate", body).body)
+            return int(out["decision"]["backends"][where]["prefix"]["cached_tokens"])
+
+        assert cached() > 500
+        assert http("POST", sim.url + "/admin/faults", {"fail_rate": 1.0}).status == 200
+        for _ in range(2):  # failure_threshold 2: ejected (the gateway retries elsewhere)
+            http("POST", gw.url + "/v1/chat/completions", body)
+        samples = scrape(gw.url)
+        assert metric(samples, "gateway_prefix_index_forgotten_total", backend=where,
+                      why="ejected") == 1
+        assert cached() == 0
