@@ -114,7 +114,8 @@ def prefix_order(candidates: Sequence[S], rule: PrefixRule, ask_tokens: int,
                       strict=True))
     within = [c for c in candidates if c.inflight_tokens + ask_tokens <= bound
               or c.inflight_tokens == low]
-    over = [c for c in candidates if c not in within]
+    kept = set(map(id, within))  # by identity: a dataclass's == compares every field
+    over = [c for c in candidates if id(c) not in kept]
     return (sorted(within, key=lambda c: (scores[id(c)], c.headroom), reverse=True)
             + most_headroom_first(over))
 

@@ -75,6 +75,7 @@ class Admission:
         self.capacity = Capacity(policy, scraper, metrics, lambda: self.replicas)
         # Every backend's prefix index; a reload hands the same registry on (gateway/runtime).
         self.prefix = PrefixPlacement(prefix or PrefixIndexes(), metrics)
+        self.rules = {name: rule_of(spec) for name, spec in policy.pools.items()}
         self._ids = itertools.count(1)
         self.live: dict[str, tuple[StateBackend, Lease]] = {}
         self.pools: dict[str, PoolState] = {}
@@ -119,7 +120,7 @@ class Admission:
         ps = self.pools[ask.pool]
         now = self.clock()
         cap = self.capacity
-        rule = rule_of(ps.spec)
+        rule = self.rules[ps.name]
         held = [self.prefix.at(ps, ask, b.name) if rule else (0, 0)
                 for b in self.backends.pools[ps.name]]
         # The session's backend, where nothing of the prompt is cached anywhere (or always,
@@ -287,7 +288,7 @@ class Admission:
                        force: bool = False) -> tuple[Ticket | None, str | None]:
         """Reserve in the store with the limits the view decided on; (ticket, refusal)."""
         max_blocks = self.capacity.max_blocks(ps, backend.name)
-        rule = rule_of(ps.spec)
+        rule = self.rules[ps.name]
         cached, shared = self.prefix.at(ps, ask, backend.name) if rule else (0, 0)
         # The blocks of its prompt that requests in flight there hold are shared, not new.
         lease = Lease(ps.name, backend.name, f"{self.replica_id}-{next(self._ids)}",
