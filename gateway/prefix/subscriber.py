@@ -135,14 +135,15 @@ class Subscriber:
             if seq > 0:
                 # Subscribed after the engine started: what its replay buffer still holds
                 # from the start rebuilds the index (nothing lost if it no longer does).
-                await self._replay_from(0, seq)
+                await self._replay_from(0, seq, initial=True)
         elif seq > expected:
             recovered = await self._replay_from(expected, seq)
             follower.gap(expected, seq, recovered)
         follower.receive(seq, payload)
 
-    async def _replay_from(self, first: int, upto: int) -> bool:
-        """Ask the replay socket for batches first..upto-1; True if all came, in order."""
+    async def _replay_from(self, first: int, upto: int, initial: bool = False) -> bool:
+        """Ask the replay socket for batches first..upto-1; True if all came, in order.
+        `initial`: nothing applied yet, so the replay may start wherever the buffer does."""
         replay = self._replay
         if replay is None:
             return False
@@ -163,7 +164,7 @@ class Subscriber:
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ or not payload:
                     break
-                if seq > follower.expected():
+                if seq > follower.expected() and not (initial and follower.state.last_seq < 0):
                     break  # the engine's buffer no longer holds the start of the gap
                 if seq == follower.expected():
                     follower.receive(seq, payload)
