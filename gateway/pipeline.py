@@ -267,8 +267,7 @@ class Pipeline:
         work = self.estimate(model, route, prompt, parsed)
         lap("route", t)
         user = data.get("user")
-        session = inbound.headers.get(
-            self.rt.policy.pools[route.pool].routing.prefix.session_header.encode())
+        session = inbound.headers.get(b"x-session-id")  # else the body's `user`
         return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held,
                         read_at, session.decode("latin-1") if session
                         else user if isinstance(user, str) and user else None)

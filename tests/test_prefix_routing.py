@@ -165,6 +165,7 @@ def test_estimate_shows_cached_tokens_and_score_per_backend(
         assert backends[other]["prefix"]["cached_tokens"] == 0
         assert backends[where]["prefix"]["score"] > backends[other]["prefix"]["score"]
         assert out["decision"]["backend"] == where
+        assert out["decision"]["cached_tokens"] == backends[where]["prefix"]["cached_tokens"]
         assert out["prompt_blocks_hashed"] > 0
         quiet(gw.url)
 
@@ -297,3 +298,30 @@ def test_an_ejected_backend_forgets_what_it_held(start_sim: StartSim,
         assert metric(samples, "gateway_prefix_index_forgotten_total", backend=where,
                       why="ejected") == 1
         assert cached() == 0
+
+
+def test_sessions_stick_to_one_backend_where_nothing_is_cached(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """Prompts too short to fill a block give no prefix to route by: the session's backend
+    (x-session-id, else `user`) takes each session's requests, and sessions spread."""
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url])) as gw:
+        where: dict[str, set[str]] = {}
+        for k in range(3):
+            for n in range(12):
+                session = f"session-{n}"
+                by_header = n % 2 == 0
+                body: dict[str, Any] = {
+                    "model": "test-model", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"hi {k}"}]}
+                if not by_header:
+                    body["user"] = session
+                reply = http("POST", gw.url + "/v1/chat/completions", body,
+                             headers={"x-session-id": session} if by_header else None)
+                assert reply.status == 200
+                assert reply.headers["x-gateway-cached-tokens"] == "0"
+                where.setdefault(session, set()).add(reply.headers["x-gateway-backend"])
+        assert all(len(b) == 1 for b in where.values()), where
+        assert len(set().union(*where.values())) == 2  # 12 sessions: both backends take some
+        samples = quiet(gw.url)
+        assert metric(samples, "gateway_prefix_placements_total", by="affinity") == 36

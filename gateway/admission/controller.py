@@ -31,6 +31,7 @@ from gateway.admission.decision import (
     BackendView,
     Decision,
     PoolView,
+    blocks_on,
     decide,
     place,
     reservation_blocks,
@@ -206,6 +207,10 @@ class Admission:
         }
         if d.enforced is not None:
             out["shadow"] = {"decision": d.enforced.action, "reason": d.enforced.reason}
+        # At the backend chosen: what x-gateway-cached-tokens would say, and what is reserved.
+        chosen = next((bv for bv in view.backends if bv.name == d.backend), None)
+        out["cached_tokens"] = chosen.cached_tokens if chosen is not None else 0
+        out["reserve_blocks"] = blocks_on(chosen, ask.blocks) if chosen is not None else None
         return out
 
     async def admit(self, ask: Ask) -> Ticket:

@@ -261,10 +261,8 @@ class PrefixRoutingSpec(Strict):
     # relative bound alone would split every conversation (SGLang's balance_abs_threshold).
     imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 8192
     # Where no backend holds any of the prompt: the backend the session's hash picks
-    # (header `session_header`, else the request's `user` field), within the same bound.
+    # (header x-session-id, else the request's `user` field), within the same bound.
     session_affinity: bool = True
-    session_header: Annotated[str, Field(pattern=r"^[a-z0-9-]+$", max_length=64)] = \
-        "x-session-id"
     # The approximate index's capacity per backend, in blocks; unset: the backend's KV blocks.
     capacity_blocks: PositiveInt | None = None
 
