@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -17,7 +18,16 @@ import pytest
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import gateway_cmd, http, loadtest_cmd, metric, openai_client, quiet, scrape
+from tests.servers import (
+    gateway_cmd,
+    http,
+    loadtest_cmd,
+    metric,
+    openai_client,
+    poll_metric,
+    quiet,
+    scrape,
+)
 
 RULE = PrefixRule(epsilon=0.25, slack_tokens=0)
 
@@ -325,3 +335,48 @@ def test_sessions_stick_to_one_backend_where_nothing_is_cached(
         assert len(set().union(*where.values())) == 2  # 12 sessions: both backends take some
         samples = quiet(gw.url)
         assert metric(samples, "gateway_prefix_placements_total", by="affinity") == 36
+
+
+def test_shadow_mode_counts_what_prefix_routing_would_do(start_sim: StartSim,
+                                                        start_gateway: StartGateway) -> None:
+    shadow = "    routing: {prefix: {mode: shadow}}\n"
+    with start_sim() as s0, start_sim() as s1, \
+            start_gateway(policy_yaml([s0.url, s1.url], pool_extra=shadow)) as gw:
+        history: list[Any] = [{"role": "system", "content": SYSTEM}]
+        for k in range(3):
+            history = turn(history, f"Question {k}?")
+            reply = http("POST", gw.url + "/v1/chat/completions",
+                         {"model": "test-model", "messages": history, "max_tokens": 2})
+            assert reply.status == 200
+            history.append({"role": "assistant", "content": "M6."})
+        samples = quiet(gw.url)
+        assert metric(samples, "gateway_prefix_shadow_total") == 3
+        # Idle engines: headroom picks e0 every time, where the cache is: they agree.
+        assert metric(samples, "gateway_prefix_shadow_total", agreed="true") == 3
+        assert metric(samples, "gateway_prefix_shadow_cached_tokens_total") > 1000
+
+
+def test_a_restarted_engine_is_forgotten(start_sim: StartSim,
+                                         start_gateway: StartGateway) -> None:
+    body = {"model": "test-model", "max_tokens": 2,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": "Hi"}]}
+    with start_sim() as s0:
+        port = s0.port
+        with start_gateway(policy_yaml([s0.url])) as gw:
+            assert http("POST", gw.url + "/v1/chat/completions", body).status == 200
+            estimate = json.loads(http("POST", gw.url + "/gateway/estimate", body).body)
+            assert estimate["decision"]["cached_tokens"] > 500
+            s0.stop()
+            with start_sim(port=port):
+                # Down (a probe failed) or restarted (its prefix counters fell): forgotten.
+                samples = poll_metric(gw.url, "gateway_prefix_index_forgotten_total",
+                                      lambda v: v >= 1, timeout=10)
+                assert metric(samples, "gateway_prefix_index_forgotten_total", backend="e0") >= 1
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    reply = http("POST", gw.url + "/gateway/estimate", body)
+                    if reply.status == 200:
+                        break
+                    time.sleep(0.2)
+                assert json.loads(reply.body)["decision"]["cached_tokens"] == 0
