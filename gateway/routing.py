@@ -76,9 +76,9 @@ class PrefixRule:
     """A pool's `routing.prefix` weights and bound, as the decision reads them."""
 
     cache_weight: float = 1.0
-    kv_weight: float = 0.3
-    prefill_weight: float = 0.3
-    epsilon: float = 0.25
+    kv_weight: float = 0.1
+    prefill_weight: float = 0.1
+    epsilon: float = 0.1
     slack_tokens: int = 8192
     act: bool = True  # False in shadow mode: evaluated and counted, never placed by
 

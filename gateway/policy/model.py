@@ -254,9 +254,11 @@ class PrefixRoutingSpec(Strict):
     # session only (consistent hashing), no prefix index.
     mode: Literal["off", "approximate", "precise", "shadow", "session"] = "approximate"
     cache_weight: NonNegativeFloat = 1.0  # x the share of the prompt cached there
-    kv_weight: NonNegativeFloat = 0.3  # x the share of its KV limit reserved
-    prefill_weight: NonNegativeFloat = 0.3  # x its prefill backlog, as a share of the pool's
-    imbalance_epsilon: NonNegativeFloat = 0.25
+    # The load terms are small: they choose among backends that hold alike; balance is the
+    # bound's job (cache match while balanced, load past the bound: SGLang's cache-aware rule).
+    kv_weight: NonNegativeFloat = 0.1  # x the share of its KV limit reserved
+    prefill_weight: NonNegativeFloat = 0.1  # x its prefill backlog, as a share of the pool's
+    imbalance_epsilon: NonNegativeFloat = 0.1
     # ... or by more than this many tokens over the mean, whichever is more: at low load a
     # relative bound alone would split every conversation (SGLang's balance_abs_threshold).
     imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 8192
