@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from loadtest.workload import Item, WorkloadError, multiturn_items, parse_multiturn
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     gateway_cmd,
@@ -380,3 +382,29 @@ def test_a_restarted_engine_is_forgotten(start_sim: StartSim,
                         break
                     time.sleep(0.2)
                 assert json.loads(reply.body)["decision"]["cached_tokens"] == 0
+
+
+def test_multiturn_workload_shape_and_errors() -> None:
+    mt = parse_multiturn("conversations=3,turns=4,system=1024,turn=600,out=16,think=2,start=1")
+    items = multiturn_items(mt, seed=1)
+    assert len(items) == 12
+    assert [i.arrival_s for i in items] == sorted(i.arrival_s for i in items)
+    by_conversation: dict[str | None, list[Item]] = {}
+    for i in items:
+        by_conversation.setdefault(i.session, []).append(i)
+    assert len(by_conversation) == 3
+    system = items[0].block_hashes[:2]
+    for turns in by_conversation.values():
+        # 2 system blocks, then 2 blocks a turn (600 tokens rounded up to 512-token blocks),
+        # each turn's history the previous turn's plus its own, 2 s apart.
+        assert [len(t.block_hashes) for t in turns] == [4, 6, 8, 10]
+        assert all(t.block_hashes[:2] == system for t in turns)
+        assert all(b.block_hashes[:len(a.block_hashes)] == a.block_hashes
+                   for a, b in pairwise(turns))
+        assert [round(b.arrival_s - a.arrival_s, 6) for a, b in
+                pairwise(turns)] == [2.0, 2.0, 2.0]
+        assert turns[-1].prompt_tokens == 10 * 512 + 32
+    with pytest.raises(WorkloadError, match="expected positive conversations=N"):
+        parse_multiturn("conversations=3,turns=0")
+    with pytest.raises(WorkloadError, match="expected positive"):
+        parse_multiturn("rounds=3")
