@@ -408,3 +408,21 @@ def test_multiturn_workload_shape_and_errors() -> None:
         parse_multiturn("conversations=3,turns=0")
     with pytest.raises(WorkloadError, match="expected positive"):
         parse_multiturn("rounds=3")
+
+
+def test_a_cached_backend_over_its_prefill_backlog_takes_the_request_if_sooner() -> None:
+    # a holds 2,400 of 2,800 tokens but is prefilling 9,000 (over the backlog limit with the
+    # 400 it would add); b is idle and holds nothing: b's first token needs 2,800 of prefill,
+    # a's 9,400: b takes it.
+    a = backend("a", cached_tokens=2400, prefill_tokens=9000, ruled_out="prefill_tokens")
+    b = backend("b")
+    assert place(pool([a, b]), ASK).backend == "b"
+    # a prefilling 2,000: 2,400 tokens before its first token against b's 2,800: a takes it.
+    assert place(pool([replace(a, prefill_tokens=2000), b]), ASK).backend == "a"
+    # Without prefix routing (or in shadow) the backlog rule stands as before.
+    assert place(pool([replace(a, prefill_tokens=2000), b], rule=None), ASK).backend == "b"
+    assert place(pool([replace(a, prefill_tokens=2000), b], replace(RULE, act=False)),
+                 ASK).backend == "b"
+    # Ruled out for another reason (the engine's own report): never.
+    other = replace(a, prefill_tokens=2000, ruled_out="engine_kv")
+    assert place(pool([other, b]), ASK).backend == "b"

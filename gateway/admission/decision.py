@@ -18,9 +18,10 @@ The checks, in order:
 6. placement (`place`): backends by KV headroom, most first, or by prefix score within the
    imbalance bound where the pool routes by prefix (gateway/routing.py `prefix_order`); a
    backend is skipped when its engine's own report or its prefill backlog (less what it holds
-   of the prompt) rules it out; the first where the reservation (less the prompt blocks it
-   already holds for requests in flight) fits its block limit, the pool's in-flight tokens
-   and the tenant's share takes it;
+   of the prompt) rules it out (one that holds part of the prompt still takes it when it
+   would reach the first token no later than the backend taking it instead); the first where
+   the reservation (less the prompt blocks it already holds for requests in flight) fits its
+   block limit, the pool's in-flight tokens and the tenant's share takes it;
 7. nothing placed: queue when the queue has room and the predicted wait fits the deadline,
    else reject with the reason that tells why;
 8. mode `shadow`: whatever 1-7 said is recorded, and the request is admitted anyway.
@@ -142,19 +143,44 @@ def order(view: PoolView, ask: AskView) -> list[BackendView]:
 
 def place(view: PoolView, ask: AskView) -> Placement:
     """The backend that takes `ask` now, most KV headroom (or prefix score) first; or why
-    none does."""
+    none does.
+
+    With prefix routing, a backend that holds part of the prompt but is ruled out by its
+    prefill backlog alone is kept aside, and still takes the request if it would reach the
+    request's first token no later than the backend that would take it instead (its backlog
+    plus the part of the prompt not cached, against the other's): the backlog limit is there
+    for that request's first token, and sending it where nothing is cached would only add
+    prefill work to the pool without bringing its first token sooner.
+    """
     reason = "kv_blocks"
+    held: list[BackendView] = []  # cached there, ruled out by the prefill backlog only
     for b in order(view, ask):
         if b.ruled_out is not None:
             reason = b.ruled_out
+            if b.ruled_out == "prefill_tokens" and b.cached_tokens and view.prefix is not None \
+                    and view.prefix.act:
+                held.append(b)
             continue
         refused = fits(view, b, ask)
         if refused is None:
-            return Placement(b.name, "fits")
+            return Placement(_sooner(view, ask, held, b).name, "fits")
         reason = refused
         if refused == "inflight_tokens":  # pool-wide: no other backend can do better
             break
     return Placement(None, reason)
+
+
+def _sooner(view: PoolView, ask: AskView, held: list[BackendView],
+            chosen: BackendView) -> BackendView:
+    """`chosen`, or the first of `held` whose prefill before this request's first token
+    (backlog + prompt not cached there) is no longer than at `chosen`, where it fits."""
+    def prefill(b: BackendView) -> int:
+        return b.prefill_tokens + ask.prompt_tokens - b.cached_tokens
+
+    for b in held:
+        if prefill(b) <= prefill(chosen) and fits(view, b, ask) is None:
+            return b
+    return chosen
 
 
 def decide(view: PoolView, ask: AskView) -> Decision:
