@@ -4,6 +4,7 @@ prefix cache where the gateway predicted it would."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -16,8 +17,15 @@ from typing import Any
 
 import pytest
 
+from gateway.admission.controller import Admission, Ask
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
+from gateway.backends import Backends
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy import parse_policy
+from gateway.prefix import IndexMode
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from gateway.signals.engines import EngineScraper
+from gateway.state import MemoryState
 from loadtest.workload import Item, WorkloadError, multiturn_items, parse_multiturn
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
@@ -426,3 +434,43 @@ def test_a_cached_backend_over_its_prefill_backlog_takes_the_request_if_sooner()
     # Ruled out for another reason (the engine's own report): never.
     other = replace(a, prefill_tokens=2000, ruled_out="engine_kv")
     assert place(pool([other, b]), ASK).backend == "b"
+
+
+def test_precise_mode_counts_blocks_of_requests_in_flight_as_cached() -> None:
+    """The engine's events name a block once computed; a follow-up sent while the first
+    request still prefills is scheduled after it and hits: it is predicted so."""
+    policy = parse_policy("""
+models:
+  - {name: m, architecture: llama-3-8b}
+pools:
+  p:
+    models: [m]
+    max_model_len: 8192
+    kv_blocks: 1000
+    routing: {prefix: {mode: precise}}
+    backends:
+      - {name: a, url: "http://127.0.0.1:1", kv_events: {endpoint: "tcp://127.0.0.1:2"}}
+      - {name: b, url: "http://127.0.0.1:3", kv_events: {endpoint: "tcp://127.0.0.1:4"}}
+""")
+    hashes = tuple(range(1, 101))
+
+    async def check() -> None:
+        metrics = GatewayMetrics()
+        adm = Admission(policy, Backends(policy, metrics), MemoryState(), metrics,
+                        EngineScraper(5.0))
+        assert adm.prefix.indexes.mode("p", "a") is IndexMode.PRECISE
+        ask = Ask("p", blocks=110, tokens=1800, prompt_tokens=1600, hashes=hashes,
+                  hash_block=16)
+        first = await adm.admit(ask)
+        index = adm.prefix.indexes.get("p", first.backend.name)
+        assert index is not None and len(index) == 0  # precise: nothing learnt from traffic
+        view = adm.view(ask)
+        at = {b.name: b.cached_tokens for b in view.backends}
+        assert at[first.backend.name] == 99 * 16 and sum(at.values()) == 99 * 16
+        second = await adm.admit(ask)
+        assert second.backend is first.backend and second.cached_tokens == 99 * 16
+        for t in (first, second):
+            await adm.release(t)
+        assert all(b.cached_tokens == 0 for b in adm.view(ask).backends)
+
+    asyncio.run(check())

@@ -94,10 +94,15 @@ class PrefixPlacement:
         if index is None:
             return 0, 0
         block = ps.spec.block_size
-        # The engine computes the last prompt token whatever it holds (its logits are needed):
-        # a hit is at most the full blocks before it (vLLM's get_computed_blocks).
-        cached = min(index.match(ask.hashes), max(0, ask.prompt_tokens - 1) // block) * block
-        return cached, index.held(ask.hashes)
+        held = index.held(ask.hashes)
+        # Blocks that requests in flight there hold count as cached: in precise mode the
+        # events name a block only once the engine has computed it, while a request sent
+        # behind one still prefilling its prefix is scheduled after it and hits. The engine
+        # computes the last prompt token whatever it holds (its logits are needed): a hit is
+        # at most the full blocks before it (vLLM's get_computed_blocks).
+        cached = min(max(index.match(ask.hashes), held),
+                     max(0, ask.prompt_tokens - 1) // block) * block
+        return cached, held
 
     def affinity(self, ps: PoolState, ask: Ask) -> str | None:
         """The backend the request's session hashes to, where the pool uses affinity."""
