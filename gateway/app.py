@@ -41,6 +41,7 @@ from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
+from gateway.prefix.precise import PreciseEvents
 from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime, build_runtime, load_counters, make_session
 from gateway.serving.heap import HeapKeeper
@@ -75,6 +76,7 @@ class GatewayApp:
         self._state: StateBackend | None = None
         self._counters: dict[str, tuple[str, TokenCounter]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.precise: PreciseEvents | None = None  # the KV-events subscriptions in force
         self._retirements: set[asyncio.Task[None]] = set()
         self._tasks_debug: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
@@ -180,7 +182,8 @@ class GatewayApp:
                      old: Runtime | None) -> Runtime:
         assert self._session is not None and self._state is not None
         rt = build_runtime(policy, self.metrics, self._session, self._state, counters,
-                           time.time(), old.output_lengths if old else None)
+                           time.time(), old.output_lengths if old else None,
+                           old.prefix if old else None)
         await rt.backends.probe_all(self._session)
         # One scrape before serving: capacities come from the engines, not the ledger, from
         # the first request on.
@@ -207,6 +210,10 @@ class GatewayApp:
                                                rt.admission.on_engine_sample),
                                 name="engine-scraper"),
         ]
+        # Precise prefix mode: one KV-events subscription per backend that publishes them.
+        self.precise = PreciseEvents(rt.policy, rt.prefix, rt.backends.all(),
+                                     self.metrics.kv_events.bind)
+        self._tasks += self.precise.start()
         for task in old_tasks:
             if task.get_name() == "admission" and old is not None:
                 # Retired once the last request admitted through it is done.

@@ -78,6 +78,9 @@ class Backends:
         self.upstream_key = upstream_key
         self.metrics = metrics
         self.clock = clock
+        # Told (pool, backend, why) when a backend goes out of service: ejected or down. Its
+        # engine's prefix cache is gone or unknown from then (gateway/admission/prefixes.py).
+        self.on_lost: Callable[[str, str, str], None] | None = None
         self.pools: dict[str, list[Backend]] = {
             name: [self._make(name, pool, spec, upstream_key) for spec in pool.backends]
             for name, pool in policy.pools.items()
@@ -121,6 +124,8 @@ class Backends:
             if b.ejected_until <= self.clock():
                 log.warning("ejecting backend %s/%s for %.0fs: %s", b.pool, b.name,
                             self.policy.health.cooldown_s, detail)
+                if self.on_lost is not None:
+                    self.on_lost(b.pool, b.name, "ejected")
             b.ejected_until = self.clock() + self.policy.health.cooldown_s
         self._publish(b)
 
@@ -147,6 +152,8 @@ class Backends:
         if ok != b.probe_ok:
             log.warning("backend %s/%s is %s (%s)", b.pool, b.name, "up" if ok else "down",
                         detail)
+            if not ok and self.on_lost is not None:
+                self.on_lost(b.pool, b.name, "down")
         b.probe_ok = ok
         if not ok:
             b.last_error = f"probe {detail}"

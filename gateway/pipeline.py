@@ -32,11 +32,12 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.admission.pool import Ask, Ticket
+from gateway.admission.prefixes import hash_block_size
 from gateway.affinity import Held
 from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
-from gateway.observe.record import Record, tokens_used, usage_of
+from gateway.observe.record import Record, charge_of, usage_of
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
 from gateway.profiles import ModelProfile, get_model
@@ -46,10 +47,10 @@ from gateway.protocol import (
     Endpoint,
     ParsedRequest,
     ResponsesRequest,
+    answer_headers,
     client_deadline,
     endpoint_of,
     parse_request,
-    rate_limit_headers,
 )
 from gateway.proxy import ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
@@ -146,6 +147,7 @@ class Prepared:
     work: Work
     held: Held | None = None  # the stored response it continues, and where it lives
     read_at: float = 0.0  # loop time the body was read: the gateway's own work starts here
+    session: str | None = None  # for session affinity: the pool's session header, or `user`
 
     def ask(self, now: float | None = None) -> Ask:
         """What admission is asked; `now` (loop time): the time since the body was read (the
@@ -157,7 +159,9 @@ class Prepared:
                    tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
                    prompt_tokens=self.prompt.tokens,
                    backend=self.held.backend if self.held else None,
-                   waited_s=0.0 if now is None else max(0.0, now - self.read_at))
+                   waited_s=0.0 if now is None else max(0.0, now - self.read_at),
+                   hashes=self.prompt.hashes, hash_block=self.prompt.hash_block,
+                   session=self.session)
 
 
 # --- the pipeline -------------------------------------------------------------------------------
@@ -172,6 +176,10 @@ class Pipeline:
         stage = rt.metrics.request_stage
         self._timed = rt.policy.server.stage_metrics
         self._stage = {name: stage.labels(name).observe for name in STAGES}
+        # The block size each model's prompts are hashed at for prefix routing (None: not).
+        pools = rt.policy.pools
+        self._hash_block = {m.name: hash_block_size([pools[p] for p in rt.policy.pools_for(m.name)])
+                            for m in rt.policy.models}
 
     # identify ---------------------------------------------------------------------------------
 
@@ -203,7 +211,8 @@ class Pipeline:
         try:
             # Long prompts take turns by tenant (gateway/cost/counter.py).
             return await count_prompt(self.rt.counters[model.name], model, data, parsed,
-                                      caller.tenant.name, prior_tokens)
+                                      caller.tenant.name, prior_tokens,
+                                      self._hash_block[model.name])
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param,
                                  code="prompt_too_long" if isinstance(exc, PromptTooLong)
@@ -257,8 +266,11 @@ class Pipeline:
             route = Route(model, held.pool)  # the conversation lives there
         work = self.estimate(model, route, prompt, parsed)
         lap("route", t)
+        user = data.get("user")
+        session = inbound.headers.get(b"x-session-id")  # else the body's `user`
         return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held,
-                        read_at)
+                        read_at, session.decode("latin-1") if session
+                        else user if isinstance(user, str) and user else None)
 
     def _lap(self, stage: str, since: float) -> float:
         now = self.loop_time()
@@ -284,6 +296,7 @@ class Pipeline:
             "pool": p.route.pool,
             "overflow": p.route.overflow,
             "prompt_tokens": p.prompt.tokens,
+            "prompt_blocks_hashed": len(p.prompt.hashes),
             "exact": p.prompt.exact,
             "sequences": p.work.sequences,
             "reserve_blocks": p.work.blocks,
@@ -320,8 +333,11 @@ class Pipeline:
             record = Record(inbound.request_id, p.endpoint, p.model.name, p.route.pool,
                             p.caller.tenant.name, bool(p.parsed.stream), inbound.arrival,
                             p.prompt.tokens, relay)
+            headers = answer_headers(inbound.request_id, p.route.pool, ticket.decision,
+                                     ticket.queue_s, p.prompt.tokens, ticket.cached_tokens,
+                                     quota.window if quota is not None else None)
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
-                          bool(p.parsed.stream), _answer_headers(inbound, p, ticket, quota),
+                          bool(p.parsed.stream), headers,
                           strip_usage, partial(rt.admission.prefill_done, ticket))
             forward_start = asyncio.get_running_loop().time()
             if not up.stream:
@@ -350,8 +366,8 @@ class Pipeline:
             if ticket is not None:
                 await asyncio.shield(rt.admission.release(ticket))
             if quota is not None:
-                await asyncio.shield(rt.quotas.settle(quota, _charge(record, quota,
-                                                                     client.gone)))
+                await asyncio.shield(rt.quotas.settle(quota, charge_of(record, quota.taken,
+                                                                       client.gone)))
         if record is not None:
             self.observe(record, client.gone, forward_start)
 
@@ -390,6 +406,7 @@ class Pipeline:
                 await rt.affinity.remember(relay.response_id,
                                            Held(up.pool, relay.backend.name, tokens))
             self._learn(p, relay)
+            rt.admission.prefix.observed(ticket, relay.prompt_tokens, relay.cached_tokens)
             used = usage_of(p.endpoint, up.stream, p.prompt.tokens, relay)
             if used is not None:
                 rt.accountant.record(up.pool, p.caller.tenant.name, *used, profile_of(p.model),
@@ -465,30 +482,6 @@ def is_embedding(parsed: ParsedRequest) -> bool:
 
 def _no_lap(stage: str, since: float) -> float:
     return since
-
-
-def _charge(record: Record | None, quota: QuotaTicket, gone: bool) -> int | None:
-    """Tokens to charge the tenant: the engine's usage; everything reserved when the engine
-    took the request but no usage could be read (a non-streaming answer cut after its caller
-    left); nothing (None: a full refund) when no engine took it."""
-    used = tokens_used(record)
-    if used is None and gone and record is not None and not record.stream \
-            and record.relay.attempts and record.relay.status in (0, 200):
-        return quota.taken
-    return used
-
-
-def _answer_headers(inbound: Inbound, p: Prepared, ticket: Ticket,
-                    quota: QuotaTicket | None) -> list[tuple[bytes, bytes]]:
-    """What the gateway adds to the engine's answer: where it went and how it was decided."""
-    out = [(b"x-request-id", inbound.request_id.encode()),
-           (b"x-gateway-pool", p.route.pool.encode()),
-           (b"x-gateway-decision", ticket.decision.encode()),
-           (b"x-gateway-queue-ms", b"%d" % int(ticket.queue_s * 1000)),
-           (b"x-gateway-prompt-tokens", b"%d" % p.prompt.tokens)]
-    if quota is not None and quota.window is not None:
-        out += rate_limit_headers(quota.window)
-    return out
 
 
 __all__ = ["Caller", "Client", "Inbound", "Pipeline", "Prepared", "Prompt", "Record", "Work"]

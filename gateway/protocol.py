@@ -73,6 +73,22 @@ def rate_limit_headers(window: RateWindow) -> list[tuple[bytes, bytes]]:
             (b"x-ratelimit-reset-tokens", f"{window.reset_s:.3f}s".encode())]
 
 
+def answer_headers(request_id: str, pool: str, decision: str, queue_s: float,
+                   prompt_tokens: int, cached_tokens: int,
+                   window: RateWindow | None) -> list[tuple[bytes, bytes]]:
+    """What the gateway adds to the engine's answer: where it went and how it was decided;
+    x-gateway-cached-tokens is the prompt's predicted prefix-cache hit at the backend chosen."""
+    out = [(b"x-request-id", request_id.encode()),
+           (b"x-gateway-pool", pool.encode()),
+           (b"x-gateway-decision", decision.encode()),
+           (b"x-gateway-queue-ms", b"%d" % int(queue_s * 1000)),
+           (b"x-gateway-prompt-tokens", b"%d" % prompt_tokens),
+           (b"x-gateway-cached-tokens", b"%d" % cached_tokens)]
+    if window is not None:
+        out += rate_limit_headers(window)
+    return out
+
+
 # --- request bodies -------------------------------------------------------------------------
 
 class _Passthrough(BaseModel):

@@ -6,10 +6,21 @@ decode. Among the pools that fit, the first with a healthy backend wins. When a 
 healthy backend and names an `overflow_to` pool, its requests go there under that pool's cap
 on concurrent overflowed requests; otherwise they are refused with 503.
 
-Within a pool, the backend is chosen by one of two orders, both here: admission places a
-reservation on the backend with the most KV headroom (`most_headroom_first`); where nothing is
-reserved (admission off, the static rule, a retry after a connect failure) the backend with
-the fewest requests in flight from this gateway wins (`least_outstanding`).
+Within a pool, the backend is chosen by one of three orders, all here: admission places a
+reservation on the backend with the most KV headroom (`most_headroom_first`), or, where the
+pool routes by prefix and some backend holds part of the prompt (or the session's hash names
+one), by `prefix_order`; where nothing is reserved (admission off, the static rule, a retry
+after a connect failure) the backend with the fewest requests in flight from this gateway wins
+(`least_outstanding`).
+
+`prefix_order` scores each backend by the share of the prompt it would serve from its prefix
+cache against its load (share of its KV limit reserved, its prefill backlog against the pool's
+largest), as llm-d's prefix and load scorers add up, and bounds the imbalance the way SGLang's
+cache-aware router and consistent hashing with bounded loads do: a backend that would hold more
+than (1 + epsilon) x the mean in-flight tokens after taking the request (and more than the
+mean + a slack, so that low load does not split conversations) is only tried after every
+backend within the bound, unless it is the least loaded itself. So a hot prefix spreads
+over more replicas as it loads one, and a conversation stays where its cache is until then.
 
 A request no pool can hold (prompt + max output over every pool's `max_model_len`) is refused
 with 400 `context_length_exceeded` before any backend sees it.
@@ -36,8 +47,40 @@ class _Roomy(Protocol):
     def headroom(self) -> int: ...
 
 
+class _Scored(Protocol):
+    """What `prefix_order` reads of a backend (admission's BackendView)."""
+
+    @property
+    def headroom(self) -> int: ...
+    @property
+    def limit_blocks(self) -> int: ...
+    @property
+    def reserved_blocks(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def inflight_tokens(self) -> int: ...
+    @property
+    def prefill_tokens(self) -> int: ...
+    @property
+    def affinity(self) -> bool: ...
+
+
 L = TypeVar("L", bound=_Loaded)
 R = TypeVar("R", bound=_Roomy)
+S = TypeVar("S", bound=_Scored)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRule:
+    """A pool's `routing.prefix` weights and bound, as the decision reads them."""
+
+    cache_weight: float = 1.0
+    kv_weight: float = 0.1
+    prefill_weight: float = 0.1
+    epsilon: float = 0.1
+    slack_tokens: int = 8192
+    act: bool = True  # False in shadow mode: evaluated and counted, never placed by
 
 
 def least_outstanding(candidates: Iterable[L]) -> L | None:
@@ -52,6 +95,46 @@ def least_outstanding(candidates: Iterable[L]) -> L | None:
 def most_headroom_first(candidates: Sequence[R]) -> list[R]:
     """Candidates by KV headroom, most first (equals keep their policy order)."""
     return sorted(candidates, key=lambda c: c.headroom, reverse=True)
+
+
+def prefix_order(candidates: Sequence[S], rule: PrefixRule, ask_tokens: int,
+                 prompt_tokens: int) -> list[S]:
+    """Candidates by prefix score within the imbalance bound, then the rest by headroom.
+
+    Where no candidate holds any of the prompt and none is the session's, this is exactly
+    `most_headroom_first`: a prompt that never repeats is placed as it always was.
+    """
+    if not any(c.cached_tokens > 0 or c.affinity for c in candidates):
+        return most_headroom_first(candidates)
+    loads = [c.inflight_tokens for c in candidates]
+    mean = (sum(loads) + ask_tokens) / len(candidates)
+    bound = max((1.0 + rule.epsilon) * mean, mean + rule.slack_tokens)
+    low = min(loads)
+    scores = dict(zip(map(id, candidates), prefix_scores(candidates, rule, prompt_tokens),
+                      strict=True))
+    within = [c for c in candidates if c.inflight_tokens + ask_tokens <= bound
+              or c.inflight_tokens == low]
+    kept = set(map(id, within))  # by identity: a dataclass's == compares every field
+    over = [c for c in candidates if id(c) not in kept]
+    return (sorted(within, key=lambda c: (scores[id(c)], c.headroom), reverse=True)
+            + most_headroom_first(over))
+
+
+def prefix_scores(candidates: Sequence[S], rule: PrefixRule, prompt_tokens: int) -> list[float]:
+    """Each candidate's score: cache_weight x the share of the prompt cached there (the
+    session's backend counts as holding it all) - kv_weight x the share of its KV limit
+    reserved - prefill_weight x its prefill backlog over the pool's largest plus this prompt."""
+    if not candidates:
+        return []
+    prompt = max(1, prompt_tokens)
+    backlog = max(c.prefill_tokens for c in candidates) + prompt
+    out = []
+    for c in candidates:
+        cached = 1.0 if c.affinity else c.cached_tokens / prompt
+        used = c.reserved_blocks / c.limit_blocks if c.limit_blocks > 0 else 1.0
+        out.append(rule.cache_weight * cached - rule.kv_weight * used
+                   - rule.prefill_weight * c.prefill_tokens / backlog)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
 from gateway.observe.accounting import Accountant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy
+from gateway.prefix import PrefixIndexes
 from gateway.proxy import Forwarder
 from gateway.quotas import Quotas
 from gateway.routing import Router
@@ -45,6 +46,7 @@ class Runtime:
     accountant: Accountant
     started_at: float
     affinity: Affinity
+    prefix: PrefixIndexes  # every backend's prefix index; kept over reloads
 
 
 def runtime_of(request: Request) -> Runtime | None:
@@ -79,14 +81,19 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
 
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
                   state: StateBackend, counters: dict[str, TokenCounter], started_at: float,
-                  output_lengths: dict[str, OutputLengthModel] | None = None) -> Runtime:
+                  output_lengths: dict[str, OutputLengthModel] | None = None,
+                  prefix: PrefixIndexes | None = None) -> Runtime:
     metrics.publish_policy(policy)
     backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
     router = Router(policy, backends)
     forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
                           policy.upstream.read_timeout_s)
     scraper = EngineScraper(policy.signals.metrics_max_age_s)
-    admission = Admission(policy, backends, state, metrics, scraper)
+    # What each backend holds survives a reload for the backends that stay.
+    prefix = prefix or PrefixIndexes()
+    prefix.retain((name, b.name) for name, pool in policy.pools.items() for b in pool.backends)
+    admission = Admission(policy, backends, state, metrics, scraper, prefix=prefix)
+    backends.on_lost = admission.prefix.forget
     # Learned output lengths carry over a reload for the models that stay.
     old = output_lengths or {}
     outputs = {m.name: old.get(m.name) or OutputLengthModel(policy.defaults.expected_output_tokens)
@@ -94,7 +101,7 @@ def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.Clie
     return Runtime(policy, metrics, backends, router, forwarder, session, state, scraper,
                    admission, counters, outputs, Tenants(policy),
                    Quotas(policy, state, metrics), Accountant(policy, metrics), started_at,
-                   Affinity(state, policy.upstream.responses_ttl_s, metrics))
+                   Affinity(state, policy.upstream.responses_ttl_s, metrics), prefix)
 
 
 def _upstream_key(policy: Policy) -> str | None:

@@ -46,6 +46,65 @@ def parse(text: str) -> dict[str, Any]:
     return {"decisions": decisions, **gauges}
 
 
+# The engines' prefix-cache counters, in tokens: read on an engine itself (vLLM V1's
+# vllm:prefix_cache_queries / _hits, vllm/v1/metrics/loggers.py; `_total` on the wire), or as
+# a gateway exports them per backend from its scrapes (gateway/observe/prefix_metrics.py).
+PREFIX_COUNTERS = {
+    "queries": ("vllm:prefix_cache_queries_total",
+                "gateway_engine_prefix_cache_queries_tokens_total"),
+    "hits": ("vllm:prefix_cache_hits_total", "gateway_engine_prefix_cache_hits_tokens_total"),
+    "predicted": ("gateway_prefix_predicted_cached_tokens_total",),
+    "prompt": ("gateway_prefix_prompt_tokens_total",),
+}
+
+
+def parse_prefix(text: str) -> dict[str, float]:
+    """The prefix-cache counters of one scrape, summed over series (engines, backends)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for key, names in PREFIX_COUNTERS.items():
+                if s.name in names:
+                    out[key] = out.get(key, 0.0) + s.value
+                    if s.name.startswith("gateway_engine"):
+                        out["gateway_engine"] = 1.0  # re-exported: a scrape behind
+    return out
+
+
+async def prefix_counters(urls: list[str], headers: dict[str, str] | None = None
+                          ) -> dict[str, float]:
+    """`parse_prefix` of every target, added up; a target that does not answer adds nothing."""
+    total: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        for url in urls:
+            try:
+                async with session.get(url + "/metrics", headers=headers) as resp:
+                    if resp.status != 200:
+                        continue
+                    found = parse_prefix(await resp.text())
+            except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+                continue
+            for key, value in found.items():
+                total[key] = total.get(key, 0.0) + value
+    return total
+
+
+async def settled_prefix_counters(urls: list[str], headers: dict[str, str] | None = None,
+                                  wait_s: float = 1.2, tries: int = 5) -> dict[str, float]:
+    """`prefix_counters` once they stop moving: a gateway re-exports the engines' counters
+    from its scrapes (once a second by default), so right after a run it is a scrape behind.
+    Engines read directly are read once."""
+    now = await prefix_counters(urls, headers)
+    for _ in range(tries):
+        if "gateway_engine" not in now:
+            break
+        await asyncio.sleep(wait_s)
+        then, now = now, await prefix_counters(urls, headers)
+        if then == now:
+            break
+    return now
+
+
 async def is_gateway(url: str) -> bool:
     """Does `url` export the gateway's admission metrics?"""
     try:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.pool or next(iter(policy.pools))
     if name not in policy.pools:
         return fail(f"--pool {name!r}: the policy has {', '.join(policy.pools)}")
-    if args.synthetic is None and args.trace is None:
+    if args.synthetic is None and args.trace is None and not getattr(args, "multiturn", None):
         args.synthetic = DEFAULT_WORKLOAD
     if args.slo is None and policy.defaults.slo is not None:
         slo = policy.defaults.slo

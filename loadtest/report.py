@@ -262,6 +262,28 @@ def error_examples(samples: Iterable[Sample], limit: int = 5) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:limit])
 
 
+def prefix_figures(before: Mapping[str, float], after: Mapping[str, float],
+                   potential: float | None) -> dict[str, Any] | None:
+    """The run's prefix-cache figures: the engines' own hit rate over the run (their
+    counters' increase: hit tokens / queried tokens), the gateway's predicted rate where it
+    routes by prefix, and the workload's potential (an unbounded cache, `potential_hit_rate`)."""
+    def delta(key: str) -> float | None:
+        if key not in after:
+            return None
+        return max(0.0, after[key] - before.get(key, 0.0))
+
+    queries, hits = delta("queries"), delta("hits")
+    prompt, predicted = delta("prompt"), delta("predicted")
+    if queries is None and potential is None:
+        return None
+    return {
+        "engine_hit_rate": hits / queries if queries and hits is not None else None,
+        "engine_queried_tokens": queries, "engine_hit_tokens": hits,
+        "predicted_hit_rate": predicted / prompt if prompt and predicted is not None else None,
+        "potential_hit_rate": potential,
+    }
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -322,6 +344,12 @@ def render_text(report: Mapping[str, Any]) -> str:
             if key.startswith("goodput") and f("request_goodput") is None:
                 continue
             row(label, f(f"cost_per_million_{key}"), 3)
+    prefix = f("prefix_cache") or {}
+    if prefix:
+        lines.append(f"{'Prefix cache':-^62}")
+        row("Engines' hit rate over the run:", prefix.get("engine_hit_rate"), 3)
+        row("Gateway's predicted hit rate:", prefix.get("predicted_hit_rate"), 3)
+        row("Workload's potential (unbounded cache):", prefix.get("potential_hit_rate"), 3)
     gen = f("generator") or {}
     if gen:
         lines.append(f"{'Load generator':-^62}")

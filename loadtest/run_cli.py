@@ -23,7 +23,7 @@ from typing import Any
 from gateway.pricing import PriceError
 from loadtest import gateway_metrics
 from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
-from loadtest.report import SloError, parse_slo, render_text
+from loadtest.report import SloError, parse_slo, prefix_figures, render_text
 from loadtest.runner import (
     LoadShape,
     Outcome,
@@ -65,6 +65,10 @@ def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool
     src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace: lengths (and arrivals)")
     src.add_argument("--synthetic", metavar="SPEC",
                      help="in=DIST,out=DIST; DIST is N, uniform:LO:HI or lognormal:P50:P99")
+    src.add_argument("--multiturn", metavar="SPEC",
+                     help="conversations=N,turns=K,system=TOKENS,turn=TOKENS,out=TOKENS,"
+                          "think=S,start=PER_S: multi-turn chats sharing a system prompt, "
+                          "replayed at their own times")
     if pace:
         p.add_argument("--rate", type=float, help="open loop: requests per second")
         p.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
@@ -174,8 +178,10 @@ def parse_shape(args: argparse.Namespace, workload: Workload, rate: float | None
 def prepare(args: argparse.Namespace, rate: float | None = None,
             concurrency: int | None = None) -> Prepared:
     """Check the inputs (not the target); raises UsageError, WorkloadError or SloError."""
-    if args.trace is None and args.synthetic is None:
-        raise UsageError("give --trace FILE or --synthetic SPEC (e.g. in=512,out=128)")
+    multiturn = getattr(args, "multiturn", None)
+    if args.trace is None and args.synthetic is None and multiturn is None:
+        raise UsageError("give --trace FILE, --synthetic SPEC (e.g. in=512,out=128) or "
+                         "--multiturn SPEC")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError("--max-model-len must be at least 2")
     slo = parse_slo(args.slo)
@@ -184,7 +190,7 @@ def prepare(args: argparse.Namespace, rate: float | None = None,
     except PriceError as exc:
         raise UsageError(str(exc)) from None
     workload = make_workload(args.trace, args.synthetic, args.seed, args.max_model_len,
-                             args.trace_start)
+                             args.trace_start, multiturn)
     shape = parse_shape(args, workload, rate, concurrency)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return Prepared(workload, shape, slo, headers, pricing)
@@ -250,10 +256,18 @@ async def _run(args: argparse.Namespace) -> int:
     model = await resolve_model(urls, args.model, prep.headers)
     builder = make_builder(args, model)
     poller = await gateway_poller(urls, prep) if args.report else None
+    before = await gateway_metrics.prefix_counters(urls, prep.headers)
     report, outcome = await run_once(urls, model, builder, prep, args,
                                      runner_hook=poller.start if poller is not None else None)
     if poller is not None:
         await poller.final()
+    # The engines count a request's prefix lookup when they schedule it: all are in by now
+    # (a gateway re-exports them a scrape later).
+    after = await gateway_metrics.settled_prefix_counters(urls, prep.headers)
+    prefix = prefix_figures(before, after,
+                            prep.workload.potential_hit_rate(len(outcome.samples)))
+    if prefix is not None:
+        report["prefix_cache"] = prefix
     print(render_text(report))
     for warning in warnings_for(report):
         note(f"warning: {warning}")

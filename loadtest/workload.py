@@ -9,6 +9,13 @@ leading space: a byte-level BPE pre-tokenizer splits text at those spaces, so no
 two words and N words are N tokens. The chat template's own tokens are measured once and
 subtracted. Requests that share Mooncake `hash_ids` share the text of those 512-token blocks,
 so a real engine's prefix cache sees the same token ids a real replay would.
+
+The multi-turn synthetic (`--multiturn`) is built the same way: N conversations of K turns,
+each turn's prompt a shared system prompt, then the whole history so far (its own blocks,
+growing by `turn` tokens a turn: the last answer, a tool's result, the next question), then a
+few unique words; turns of one conversation `think` seconds apart, conversations starting at
+`start` a second (Poisson), so it replays like a trace, at its own times. Each request carries
+its conversation as `user`, which session affinity reads.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ HASH_BLOCK_TOKENS = 512      # Mooncake's hash_ids each stand for 512 prompt tok
 # A salt moves every seed this far: past any request index or hash id a trace holds, so no
 # salted prompt or prefix block falls on an unsalted one.
 SALT_STRIDE = 7_777_777_777
+SYSTEM_HASH_IDS = 10**12      # the multi-turn system prompt's hash ids start here
 VOCAB_WORDS = 2048           # one-token words to draw from; the most frequent ones
 _WORD = re.compile(r" [a-z]{3,9}")
 _DEFAULT_PROMPT_TOKENS = 512
@@ -120,6 +128,91 @@ class Item:
     output_tokens: int
     block_hashes: tuple[int, ...] = ()
     arrival_s: float = 0.0
+    session: str | None = None  # the conversation it belongs to (sent as `user`)
+
+
+def potential_hit_rate(items: Sequence[Item]) -> float | None:
+    """Share of prompt tokens in 512-token blocks that repeat an earlier request's prefix,
+    with an unbounded cache: what any prefix cache could serve of this request sequence."""
+    seen: set[int] = set()
+    hit = total = 0
+    for item in items:
+        total += item.prompt_tokens
+        parent = 0
+        leading = True
+        for h in item.block_hashes[: item.prompt_tokens // HASH_BLOCK_TOKENS]:
+            parent = hash((parent, h))
+            if leading and parent in seen:
+                hit += HASH_BLOCK_TOKENS
+            else:
+                leading = False
+                seen.add(parent)
+    return hit / total if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurn:
+    """`--multiturn` conversations=N,turns=K,system=TOKENS,turn=TOKENS,out=TOKENS,think=S,
+    start=CONVERSATIONS_PER_S (turn and system in whole 512-token blocks, rounded up)."""
+
+    conversations: int = 32
+    turns: int = 12
+    system: int = 2048
+    turn: int = 1024
+    out: int = 128
+    think_s: float = 3.0
+    start_rate: float = 1.0
+    tail: int = 32  # unique words at the end of every prompt: no two prompts are equal
+
+    def describe(self) -> str:
+        return (f"multiturn:conversations={self.conversations},turns={self.turns},"
+                f"system={self.system},turn={self.turn},out={self.out},think={self.think_s:g},"
+                f"start={self.start_rate:g}")
+
+
+def parse_multiturn(spec: str) -> MultiTurn:
+    names = {"conversations": int, "turns": int, "system": int, "turn": int, "out": int,
+             "think": float, "start": float}
+    given: dict[str, float] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        try:
+            number = names[key](value) if sep and key in names else None
+        except ValueError:
+            number = None
+        if number is None or not number > 0 or not math.isfinite(number):
+            raise WorkloadError(
+                f"--multiturn {spec!r}: expected positive conversations=N,turns=K,"
+                "system=TOKENS,turn=TOKENS,out=TOKENS,think=SECONDS,start=PER_SECOND, e.g. "
+                "conversations=32,turns=12,system=2048,turn=1024,out=128,think=3,start=1")
+        given[key] = number
+    d = MultiTurn()
+    return MultiTurn(int(given.get("conversations", d.conversations)),
+                     int(given.get("turns", d.turns)), int(given.get("system", d.system)),
+                     int(given.get("turn", d.turn)), int(given.get("out", d.out)),
+                     float(given.get("think", d.think_s)),
+                     float(given.get("start", d.start_rate)))
+
+
+def multiturn_items(mt: MultiTurn, seed: int = 0) -> list[Item]:
+    """Every turn of every conversation, in arrival order. Hash ids: the system prompt's are
+    shared by all conversations, each conversation's history blocks are its own."""
+    system = [SYSTEM_HASH_IDS + i for i in range(-(-mt.system // HASH_BLOCK_TOKENS))]
+    per_turn = max(1, -(-mt.turn // HASH_BLOCK_TOKENS))
+    rng = random.Random(seed * 7_919 + 19)
+    out: list[Item] = []
+    start = 0.0
+    for c in range(mt.conversations):
+        if c:
+            start += rng.expovariate(mt.start_rate)
+        own = [(c + 1) * 1_000_000 + j for j in range(per_turn * mt.turns)]
+        for k in range(mt.turns):
+            ids = (*system, *own[: per_turn * (k + 1)])
+            out.append(Item(len(ids) * HASH_BLOCK_TOKENS + mt.tail, mt.out, ids,
+                            start + k * mt.think_s, f"conversation-{seed}-{c}"))
+    out.sort(key=lambda i: i.arrival_s)
+    return out
 
 
 def spread_buckets(requests: Sequence[TraceRequest]) -> list[float]:
@@ -319,6 +412,8 @@ class PromptBuilder:
             extra["min_tokens"] = item.output_tokens
         if self.send_hash_ids and item.block_hashes:
             extra["prefix_hash_ids"] = list(item.block_hashes)
+        if item.session is not None:
+            extra["user"] = item.session
         if self.endpoint == "chat":
             spec = chat_request(self.model, text, item.output_tokens, extra=extra)
         elif self.token_ids:
@@ -357,7 +452,7 @@ class Workload:
     """Lengths (from a trace or a synthetic spec) and how to draw the i-th request's."""
 
     source: str                       # the trace path or the synthetic spec, for reports
-    trace: list[Item] | None
+    trace: list[Item] | None          # a trace's requests, or the multi-turn synthetic's
     synthetic: Synthetic | None
     seed: int = 0
     max_model_len: int | None = None  # clip prompt + output to this many tokens
@@ -378,7 +473,7 @@ class Workload:
         output = min(item.output_tokens, max(1, limit // 2))
         prompt = max(1, limit - output)
         return Item(prompt, output, item.block_hashes[: prompt // HASH_BLOCK_TOKENS],
-                    item.arrival_s)
+                    item.arrival_s, item.session)
 
     def items(self, count: int) -> Iterator[Item]:
         return (self.item(i) for i in range(count))
@@ -386,11 +481,26 @@ class Workload:
     def trace_times(self) -> list[float] | None:
         return [i.arrival_s for i in self.trace] if self.trace is not None else None
 
+    def potential_hit_rate(self, count: int | None = None) -> float | None:
+        """`potential_hit_rate` of the first `count` requests (all of a trace's by default);
+        None for a synthetic workload (no prefixes to share)."""
+        if self.trace is None:
+            return None
+        n = len(self.trace) if count is None else count
+        return potential_hit_rate([self.item(i) for i in range(n)])
+
 
 def make_workload(trace: str | None, synthetic: str | None, seed: int = 0,
-                  max_model_len: int | None = None, trace_start: int = 0) -> Workload:
+                  max_model_len: int | None = None, trace_start: int = 0,
+                  multiturn: str | None = None) -> Workload:
+    if multiturn is not None:
+        if trace is not None or synthetic is not None:
+            raise WorkloadError("give one of --trace, --synthetic or --multiturn")
+        mt = parse_multiturn(multiturn)
+        return Workload(mt.describe(), multiturn_items(mt, seed), None, seed, max_model_len)
     if (trace is None) == (synthetic is None):
-        raise WorkloadError("give exactly one of --trace FILE or --synthetic SPEC")
+        raise WorkloadError("give exactly one of --trace FILE, --synthetic SPEC or "
+                            "--multiturn SPEC")
     if trace is not None:
         if not Path(trace).is_file():
             raise WorkloadError(f"{trace}: no such trace file")

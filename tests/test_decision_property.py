@@ -2,7 +2,9 @@
 
 Hypothesis builds random pools (modes, backends up or down, capacities, reservations held,
 engines' own reports, the latency guard's cut, queue contents, drain rates, tenants' shares,
-overflow) and random requests; for each, the preview's answer must equal what `admit`, called
+overflow, how much of the request's prompt each backend's prefix index holds and whether
+requests in flight there hold its blocks) and random requests (with or without block hashes
+and a session); for each, the preview's answer must equal what `admit`, called
 next on the same state, does: admit on the same backend for the same reason, queue, or
 refuse for the same reason.
 """
@@ -10,7 +12,8 @@ refuse for the same reason.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -43,6 +46,8 @@ class Engine:
     waiting: int | None
     kv_usage: float | None
     outstanding: int
+    cached: float  # share of the request's prompt blocks in the backend's prefix index
+    shares: bool  # the requests held there hold the prompt's leading blocks too
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ engines = st.builds(
     Engine, up=st.sampled_from([True, True, True, True, False]), capacity=st.integers(20, 200),
     held=st.lists(st.integers(1, 120), max_size=3).map(tuple),
     waiting=st.none() | st.integers(0, 8), kv_usage=st.none() | st.floats(0, 1),
-    outstanding=st.integers(0, 4))
+    outstanding=st.integers(0, 4), cached=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+    shares=st.booleans())
 
 pools = st.builds(
     Pool, mode=st.sampled_from(["enforce"] * 5 + ["static", "shadow", "disabled"]),
@@ -86,7 +92,9 @@ asks = st.builds(
     caller=st.sampled_from(["a", "b"]), deadline_s=st.none() | st.sampled_from([0.0, 0.5, 9.0]),
     overflow=st.booleans(), tenant=st.sampled_from(["a", "b"]),
     tenant_share=st.none() | st.sampled_from([0.1, 0.5]), tenant_shadow=st.booleans(),
-    prompt_tokens=st.integers(0, 2000))
+    prompt_tokens=st.integers(0, 2000), session=st.none() | st.sampled_from(["s1", "s2"]))
+
+PROMPT_HASHES = tuple(range(1, 2000 // 16 + 1))  # the prompt's blocks, at block_size 16
 
 
 def policy_text(pool: Pool) -> str:
@@ -118,7 +126,7 @@ pools:
 """
 
 
-async def build(pool: Pool) -> tuple[Admission, Clock]:
+async def build(pool: Pool, ask: Ask) -> tuple[Admission, Clock]:
     clock = Clock()
     policy = parse_policy(policy_text(pool))
     backends = Backends(policy, METRICS, clock)
@@ -131,9 +139,14 @@ async def build(pool: Pool) -> tuple[Admission, Clock]:
             ps.overbook[backend.name] = pool.overbook
         # Reservations held there, taken as admission takes them (tenant a holds the first).
         for i, blocks in enumerate(engine.held):
+            shared = ask.hashes[: blocks // 2] if engine.shares else ()
             lease_ask = Ask("p", blocks, blocks * 16, tenant="a" if i == 0 else "c",
-                            prompt_tokens=blocks * 8)
+                            prompt_tokens=blocks * 8, hashes=shared, hash_block=16)
             await adm._reserve(ps, lease_ask, backend, force=True)
+        index = adm.prefix.indexes.get("p", backend.name)
+        assert index is not None
+        index.clear()  # what the held requests stored: the index holds what `cached` says
+        index.store(ask.hashes[: int(len(ask.hashes) * engine.cached)])
         adm.scraper.samples[("p", backend.name)] = EngineSample(
             at=clock.now, waiting=engine.waiting, kv_usage=engine.kv_usage)
         backend.probe_ok = engine.up
@@ -176,13 +189,21 @@ async def outcome(adm: Admission, ask: Ask) -> tuple[str, str | None, str | None
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pool=pools, ask=asks)
-def test_the_preview_is_the_decision_admission_takes(pool: Pool, ask: Ask) -> None:
+@given(pool=pools, ask=asks, hashed=st.booleans())
+def test_the_preview_is_the_decision_admission_takes(pool: Pool, ask: Ask,
+                                                     hashed: bool) -> None:
+    if hashed:
+        ask = replace(ask, hashes=PROMPT_HASHES[: ask.prompt_tokens // 16], hash_block=16)
+
     async def check() -> None:
-        adm, _ = await build(pool)
+        adm, _ = await build(pool, ask)
         preview = adm.preview(ask)
         action, reason, backend = await outcome(adm, ask)
         event(f"{pool.mode}: {action} ({reason or preview['reason']})")  # what was covered
+        backends: Any = preview["backends"]
+        chosen = backends.get(backend or "", {}).get("prefix") or {}
+        if chosen.get("cached_tokens") or chosen.get("shared_blocks"):
+            event("admitted where the prompt is cached or shared")
         assert preview["decision"] == action, (preview, reason)
         if action != "queue":
             assert preview["reason"] == reason

@@ -60,6 +60,9 @@ SMALL_ENGINE = ("--num-gpu-blocks", "64", "--block-size", "16")
 # About 500 prompt tokens: 32 of the small engine's 64 blocks. Two such requests do not fit
 # under its admission limit (90% of 64 blocks); one does.
 HALF_POOL = [{"role": "user", "content": "capacity " * 480}]
+# What holds the pool: as large, but no prefix in common with HALF_POOL, whose blocks it would
+# otherwise share (held blocks are not reserved twice: prefix routing, issue 19).
+HOLDER = [{"role": "user", "content": "held " + "capacity " * 480}]
 SHORT = [{"role": "user", "content": "hi"}]
 _RETRYING = re.compile(r"Retrying request in ([0-9.]+) seconds")
 
@@ -156,7 +159,7 @@ def test_503_that_clears_soon_is_retried_once_after_the_ms_it_says(
             start_gateway(policy_yaml([sim.url], pool_extra=no_queue)) as gw:
         poll_metric(gw.url, "gateway_kv_blocks_capacity", lambda v: v == 64, backend="e0")
         holder = openai_client(gw.url).chat.completions.create(
-            model="test-model", messages=HALF_POOL, max_tokens=100, stream=True,  # type: ignore[arg-type]
+            model="test-model", messages=HOLDER, max_tokens=100, stream=True,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True})
         try:
             refused = http("POST", gw.url + "/v1/chat/completions",
@@ -240,7 +243,7 @@ def test_503_with_a_long_predicted_wait_is_not_retried(
             model="test-model", messages=[{"role": "user", "content": "capacity " * 20}],  # type: ignore[arg-type]
             max_tokens=2)
         holder = openai_client(gw.url).chat.completions.create(
-            model="test-model", messages=HALF_POOL, max_tokens=400, stream=True,  # type: ignore[arg-type]
+            model="test-model", messages=HOLDER, max_tokens=400, stream=True,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True})
         try:
             # The prediction moves once a second (the drain rate's tick): fire right after

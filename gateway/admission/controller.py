@@ -31,18 +31,22 @@ from gateway.admission.decision import (
     BackendView,
     Decision,
     PoolView,
+    blocks_on,
     decide,
     place,
     reservation_blocks,
 )
 from gateway.admission.guard import LatencyGuard
 from gateway.admission.pool import Ask, PoolState, Ticket
+from gateway.admission.prefixes import PrefixPlacement, rule_of
 from gateway.admission.queue import FairQueue
 from gateway.admission.thresholds import thresholds_for
 from gateway.backends import Backend, Backends
 from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUnavailable
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
+from gateway.prefix import PrefixIndexes
+from gateway.routing import prefix_order, prefix_scores
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, StreamProgress
@@ -58,7 +62,8 @@ _WORD = {"admit": "admitted", "queue": "queued", "reject": "rejected"}
 class Admission:
     def __init__(self, policy: Policy, backends: Backends, state: StateBackend,
                  metrics: GatewayMetrics, scraper: EngineScraper,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 prefix: PrefixIndexes | None = None) -> None:
         self.policy = policy
         self.backends = backends
         self.state = state
@@ -69,6 +74,9 @@ class Admission:
         self.replicas = 1
         self.replica_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.capacity = Capacity(policy, scraper, metrics, lambda: self.replicas)
+        # Every backend's prefix index; a reload hands the same registry on (gateway/runtime).
+        self.prefix = PrefixPlacement(prefix or PrefixIndexes(), metrics)
+        self.rules = {name: rule_of(spec) for name, spec in policy.pools.items()}
         self._ids = itertools.count(1)
         self.live: dict[str, tuple[StateBackend, Lease]] = {}
         self.pools: dict[str, PoolState] = {}
@@ -87,9 +95,11 @@ class Admission:
                 ps.capacity[b.name] = self.capacity.planned_blocks(spec)
                 ps.reserved[b.name] = 0
                 ps.prefill[b.name] = 0
+                ps.inflight_tokens[b.name] = 0
                 metrics.kv_blocks_capacity.labels(name, b.name).set(ps.capacity[b.name])
                 metrics.kv_blocks_reserved.labels(name, b.name).set(0)
             self.capacity.rescale_guard(ps)
+            self.prefix.configure(ps)
             self.pools[name] = ps
 
     # --- what the engines report --------------------------------------------------------------
@@ -98,6 +108,7 @@ class Admission:
         ps = self.pools.get(pool)
         if ps is not None:
             self.capacity.on_engine_sample(ps, backend, sample)
+            self.prefix.on_sample(ps, backend, sample)
 
     def max_blocks(self, ps: PoolState, backend: str) -> int:
         return self.capacity.max_blocks(ps, backend)
@@ -110,16 +121,26 @@ class Admission:
         ps = self.pools[ask.pool]
         now = self.clock()
         cap = self.capacity
+        rule = self.rules[ps.name]
+        held = [self.prefix.at(ps, ask, b.name) if rule else (0, 0)
+                for b in self.backends.pools[ps.name]]
+        # The session's backend, where nothing of the prompt is cached anywhere (or always,
+        # in mode `session`).
+        session = self.prefix.affinity(ps, ask) if rule and (
+            ps.spec.routing.prefix.mode == "session" or not any(c for c, _ in held)) else None
         backends = tuple(
             BackendView(name=b.name, available=b.available(now) and (
                             ask.backend is None or ask.backend == b.name),
                         limit_blocks=cap.max_blocks(ps, b.name),
                         reserved_blocks=ps.reserved.get(b.name, 0), outstanding=b.outstanding,
                         ruled_out=(refused or {}).get(b.name)
-                        or cap.ruled_out(ps, b.name, ask.prompt_tokens),
+                        or cap.ruled_out(ps, b.name, ask.prompt_tokens - cached),
                         over_static_rule=cap.over_static_rule(ps, b.name),
-                        slot_blocks=ps.slot_blocks.get(b.name))
-            for b in self.backends.pools[ps.name])
+                        slot_blocks=ps.slot_blocks.get(b.name),
+                        cached_tokens=cached, shared_blocks=shared,
+                        inflight_tokens=ps.inflight_tokens.get(b.name, 0),
+                        prefill_tokens=ps.prefill.get(b.name, 0), affinity=b.name == session)
+            for b, (cached, shared) in zip(self.backends.pools[ps.name], held, strict=True))
         predicted, deadline = waiting.outlook(ps, ask)
         return PoolView(
             name=ps.name, mode=ps.mode, backends=backends,
@@ -129,7 +150,8 @@ class Admission:
             overflow_cap=ps.overflow_cap if ask.overflow else None,
             queue_size=ps.spec.admission.queue_size,
             queue_admits=ps.queue.admits(ask.priority), predicted_wait_s=predicted,
-            deadline_s=deadline, ttft_budget_s=ps.thresholds.ttft_p99_max_s.value)
+            deadline_s=deadline, ttft_budget_s=ps.thresholds.ttft_p99_max_s.value,
+            prefix=rule)
 
     def _token_limit(self, ps: PoolState) -> int | None:
         """The in-flight token limit, where one binds: the static one (as the guard scales
@@ -152,7 +174,10 @@ class Admission:
         d = decide(view, _ask_view(ask))
         now = self.clock()
         backends: dict[str, object] = {}
-        for b, bv in zip(self.backends.pools[ps.name], view.backends, strict=True):
+        scores = prefix_scores(view.backends, view.prefix, ask.prompt_tokens) \
+            if view.prefix is not None else [None] * len(view.backends)
+        for b, bv, score in zip(self.backends.pools[ps.name], view.backends, scores,
+                                strict=True):
             sample = self.scraper.fresh(ps.name, b.name)
             backends[b.name] = {
                 "available": bv.available, "capacity_blocks": ps.capacity[b.name],
@@ -161,7 +186,11 @@ class Admission:
                 "engine": None if sample is None else _engine_view(sample, now),
                 "slot_blocks": bv.slot_blocks,
                 "engine_rules_out": self.capacity.engine_full(ps, b.name),
-                "rules_out": bv.ruled_out}
+                "rules_out": bv.ruled_out,
+                "prefix": None if view.prefix is None else {
+                    "cached_tokens": bv.cached_tokens, "shared_blocks": bv.shared_blocks,
+                    "inflight_tokens": bv.inflight_tokens, "session": bv.affinity,
+                    "score": None if score is None else round(score, 4)}}
         out: dict[str, object] = {
             "decision": d.action, "reason": d.reason, "backend": d.backend, "mode": view.mode,
             "predicted_wait_s": None if (d.enforced or d).action == "admit"
@@ -178,6 +207,10 @@ class Admission:
         }
         if d.enforced is not None:
             out["shadow"] = {"decision": d.enforced.action, "reason": d.enforced.reason}
+        # At the backend chosen: what x-gateway-cached-tokens would say, and what is reserved.
+        chosen = next((bv for bv in view.backends if bv.name == d.backend), None)
+        out["cached_tokens"] = chosen.cached_tokens if chosen is not None else 0
+        out["reserve_blocks"] = blocks_on(chosen, ask.blocks) if chosen is not None else None
         return out
 
     async def admit(self, ask: Ask) -> Ticket:
@@ -185,7 +218,10 @@ class Admission:
         refusal; whichever `decide` says."""
         ps = self.pools[ask.pool]
         refused: dict[str, str] = {}
-        d = decide(self.view(ask), _ask_view(ask))
+        view = self.view(ask)
+        d = decide(view, _ask_view(ask))
+        if view.prefix is not None and not view.prefix.act and d.backend is not None:
+            self._shadow_prefix(view, ask, d.backend)
         while d.action == "admit":
             ticket, reason = await self._act(ps, ask, d)
             if ticket is not None:
@@ -240,6 +276,16 @@ class Admission:
                 return ticket
             refused[placed.backend] = reason or "kv_blocks"
 
+    def _shadow_prefix(self, view: PoolView, ask: Ask, chosen: str) -> None:
+        """routing.prefix.mode shadow: count whether the prefix router would have agreed."""
+        available = [b for b in view.backends if b.available]
+        would = prefix_order(available, view.prefix, ask.tokens, ask.prompt_tokens) \
+            if view.prefix is not None else available
+        if would:
+            m = self.metrics.prefix
+            m.shadow.labels(view.name, str(would[0].name == chosen).lower()).inc()
+            m.shadow_cached.labels(view.name).inc(would[0].cached_tokens)
+
     def _backend(self, ps: PoolState, name: str) -> Backend:
         return next(b for b in self.backends.pools[ps.name] if b.name == name)
 
@@ -247,8 +293,12 @@ class Admission:
                        force: bool = False) -> tuple[Ticket | None, str | None]:
         """Reserve in the store with the limits the view decided on; (ticket, refusal)."""
         max_blocks = self.capacity.max_blocks(ps, backend.name)
+        rule = self.rules[ps.name]
+        cached, shared = self.prefix.at(ps, ask, backend.name) if rule else (0, 0)
+        # The blocks of its prompt that requests in flight there hold are shared, not new.
         lease = Lease(ps.name, backend.name, f"{self.replica_id}-{next(self._ids)}",
-                      reservation_blocks(ask.blocks, max_blocks, ps.slot_blocks.get(backend.name)),
+                      reservation_blocks(ask.blocks, max_blocks, ps.slot_blocks.get(backend.name),
+                                         shared),
                       ask.tokens, ask.tenant)
         limits = Limits(UNKNOWN_CAPACITY_BLOCKS, None, None) if force else \
             Limits(max_blocks, self._token_limit(ps), self._tenant_max(ps, ask))
@@ -278,10 +328,19 @@ class Admission:
         if ask.overflow:
             ps.overflow_inflight += 1
         ps.tenant_blocks[lease.tenant] = ps.tenant_blocks.get(lease.tenant, 0) + lease.blocks
-        self.capacity.prefill_add(ps, backend.name, ask.prompt_tokens)
-        return Ticket(ps.name, backend, lease, store, "admitted",
-                      "fallback" if store is self.fallback else "fits",
-                      overflow=ask.overflow, prefill=ask.prompt_tokens), None
+        # What the engine will find cached it does not prefill: off the backend's backlog.
+        prefill = ask.prompt_tokens - cached
+        self.capacity.prefill_add(ps, backend.name, prefill)
+        ps.inflight_tokens[backend.name] = ps.inflight_tokens.get(backend.name, 0) + ask.tokens
+        ticket = Ticket(ps.name, backend, lease, store, "admitted",
+                        "fallback" if store is self.fallback else "fits",
+                        overflow=ask.overflow, prefill=prefill, cached_tokens=cached,
+                        tokens=ask.tokens)
+        if rule is not None:
+            by = "prefix" if cached else \
+                "affinity" if self.prefix.affinity(ps, ask) == backend.name else "headroom"
+            self.prefix.admitted(ps, ask, ticket, by)
+        return ticket, None
 
     def _shadow_tenant_share(self, ps: PoolState, ask: Ask, lease: Lease) -> None:
         """A tenant rule in shadow mode: count when its share would have been exceeded."""
@@ -344,6 +403,11 @@ class Admission:
     async def release(self, ticket: Ticket, *, completed: bool = True) -> None:
         ps = self.pools[ticket.pool]
         self.prefill_done(ticket)
+        if ticket.tokens:
+            b = ticket.backend.name
+            ps.inflight_tokens[b] = max(0, ps.inflight_tokens.get(b, 0) - ticket.tokens)
+            ticket.tokens = 0
+        self.prefix.released(ticket)
         if ticket.watched is not None:
             ps.live.discard(ticket.watched)
             ticket.watched = None
@@ -424,7 +488,7 @@ class Admission:
 
 
 def _ask_view(ask: Ask) -> AskView:
-    return AskView(ask.blocks, ask.tokens, ask.overflow, ask.waited_s)
+    return AskView(ask.blocks, ask.tokens, ask.overflow, ask.waited_s, ask.prompt_tokens)
 
 
 def _no_backend(pool: str) -> NoBackendAvailable:

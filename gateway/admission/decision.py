@@ -15,9 +15,13 @@ The checks, in order:
 5. a request that has already spent the pool's TTFT target in the gateway (reading, counting,
    waiting for the tokenizer behind a burst of long prompts) cannot meet it: reject
    (`ttft_spent`), even where it would fit, so the engines' time goes to requests that can;
-6. placement (`place`): backends by KV headroom, most first; a backend is skipped when its
-   engine's own report or its prefill backlog rules it out; the first where the reservation
-   fits its block limit, the pool's in-flight tokens and the tenant's share takes it;
+6. placement (`place`): backends by KV headroom, most first, or by prefix score within the
+   imbalance bound where the pool routes by prefix (gateway/routing.py `prefix_order`); a
+   backend is skipped when its engine's own report or its prefill backlog (less what it holds
+   of the prompt) rules it out (one that holds part of the prompt still takes it when it
+   would reach the first token no later than the backend taking it instead); the first where
+   the reservation (less the prompt blocks it already holds for requests in flight) fits its
+   block limit, the pool's in-flight tokens and the tenant's share takes it;
 7. nothing placed: queue when the queue has room and the predicted wait fits the deadline,
    else reject with the reason that tells why;
 8. mode `shadow`: whatever 1-7 said is recorded, and the request is admitted anyway.
@@ -28,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.routing import least_outstanding, most_headroom_first
+from gateway.routing import PrefixRule, least_outstanding, most_headroom_first, prefix_order
 
 Mode = Literal["enforce", "static", "shadow", "disabled"]
 Action = Literal["admit", "queue", "reject"]
@@ -46,6 +50,12 @@ class BackendView:
     # A slot engine's (llama.cpp) blocks per slot: each request there reserves one slot whole,
     # so its block limit (slots x slot blocks) holds it at its slot count.
     slot_blocks: int | None = None
+    # For this request, where the pool routes by prefix (0 / False otherwise):
+    cached_tokens: int = 0  # of its prompt predicted in the backend's prefix cache
+    shared_blocks: int = 0  # of its blocks held there by requests in flight: not reserved twice
+    inflight_tokens: int = 0  # tokens this gateway has in flight there
+    prefill_tokens: int = 0  # its prefill backlog (prompt tokens admitted, no first token yet)
+    affinity: bool = False  # the backend the request's session hashes to
 
     @property
     def headroom(self) -> int:
@@ -68,6 +78,7 @@ class PoolView:
     predicted_wait_s: float
     deadline_s: float  # what is left of the queue deadline after the time already waited
     ttft_budget_s: float | None = None  # the TTFT line in force, if any
+    prefix: PrefixRule | None = None  # the pool routes by prefix (None: by headroom)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,19 +104,30 @@ class AskView:
     tokens: int
     overflow: bool = False
     waited_s: float = 0.0  # in the gateway before admission
+    prompt_tokens: int = 0
 
 
-def reservation_blocks(ask_blocks: int, limit_blocks: int, slot_blocks: int | None = None) -> int:
+def reservation_blocks(ask_blocks: int, limit_blocks: int, slot_blocks: int | None = None,
+                       shared_blocks: int = 0) -> int:
     """A reservation larger than a whole backend would never fit: capped at the limit, so the
-    request runs alone rather than waiting forever. On a slot engine a request takes one slot,
-    whatever its length."""
-    return min(slot_blocks or ask_blocks, max(1, limit_blocks))
+    request runs alone rather than waiting forever. The blocks of its prompt that requests in
+    flight there already hold are shared by the engine, not reserved twice (at least one block
+    is). On a slot engine a request takes one slot, whatever its length or what it shares."""
+    if slot_blocks:
+        return min(slot_blocks, max(1, limit_blocks))
+    return min(max(1, ask_blocks - shared_blocks), max(1, limit_blocks))
+
+
+def blocks_on(backend: BackendView, ask_blocks: int) -> int:
+    """What `ask_blocks` reserves on `backend` (`reservation_blocks` with its view)."""
+    return reservation_blocks(ask_blocks, backend.limit_blocks, backend.slot_blocks,
+                              backend.shared_blocks)
 
 
 def fits(view: PoolView, backend: BackendView, ask: AskView) -> str | None:
     """None when `ask` fits on `backend`, else the limit it hits. The state backends check
     the same three limits, in the same order, atomically (gateway/state/)."""
-    blocks = reservation_blocks(ask.blocks, backend.limit_blocks, backend.slot_blocks)
+    blocks = blocks_on(backend, ask.blocks)
     if backend.reserved_blocks + blocks > backend.limit_blocks:
         return "kv_blocks"
     # Alone on an empty pool a request is admitted whatever its tokens, so the token limit
@@ -119,20 +141,54 @@ def fits(view: PoolView, backend: BackendView, ask: AskView) -> str | None:
     return None
 
 
+def order(view: PoolView, ask: AskView) -> list[BackendView]:
+    """The available backends in the order placement tries them."""
+    available = [b for b in view.backends if b.available]
+    if view.prefix is not None and view.prefix.act:
+        return prefix_order(available, view.prefix, ask.tokens, ask.prompt_tokens)
+    return most_headroom_first(available)
+
+
 def place(view: PoolView, ask: AskView) -> Placement:
-    """The backend that takes `ask` now, most KV headroom first; or why none does."""
+    """The backend that takes `ask` now, most KV headroom (or prefix score) first; or why
+    none does.
+
+    With prefix routing, a backend that holds part of the prompt but is ruled out by its
+    prefill backlog alone is kept aside, and still takes the request if it would reach the
+    request's first token no later than the backend that would take it instead (its backlog
+    plus the part of the prompt not cached, against the other's): the backlog limit is there
+    for that request's first token, and sending it where nothing is cached would only add
+    prefill work to the pool without bringing its first token sooner.
+    """
     reason = "kv_blocks"
-    for b in most_headroom_first([b for b in view.backends if b.available]):
+    held: list[BackendView] = []  # cached there, ruled out by the prefill backlog only
+    for b in order(view, ask):
         if b.ruled_out is not None:
             reason = b.ruled_out
+            if b.ruled_out == "prefill_tokens" and b.cached_tokens and view.prefix is not None \
+                    and view.prefix.act:
+                held.append(b)
             continue
         refused = fits(view, b, ask)
         if refused is None:
-            return Placement(b.name, "fits")
+            return Placement(_sooner(view, ask, held, b).name, "fits")
         reason = refused
         if refused == "inflight_tokens":  # pool-wide: no other backend can do better
             break
     return Placement(None, reason)
+
+
+def _sooner(view: PoolView, ask: AskView, held: list[BackendView],
+            chosen: BackendView) -> BackendView:
+    """`chosen`, or the first of `held` whose prefill before this request's first token
+    (backlog + prompt not cached there) is no longer than at `chosen`, where it fits."""
+    def prefill(b: BackendView) -> int:
+        return b.prefill_tokens + ask.prompt_tokens - b.cached_tokens
+
+    for b in held:
+        if prefill(b) <= prefill(chosen) and fits(view, b, ask) is None:
+            return b
+    return chosen
 
 
 def decide(view: PoolView, ask: AskView) -> Decision:

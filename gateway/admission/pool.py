@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.admission.decision import Mode
@@ -33,6 +34,11 @@ class Ask:
     prompt_tokens: int = 0  # what its engine must prefill before the first token
     backend: str | None = None  # only this backend may take it (it holds the conversation)
     waited_s: float = 0.0  # time in the gateway before admission (counting, its tokenizer)
+    # Prefix routing: the prompt's block hashes at `hash_block` tokens a block (used where the
+    # pool's block size is that), and the session it belongs to (header or `user`).
+    hashes: Sequence[int] = ()
+    hash_block: int = 0
+    session: str | None = None
 
 
 @dataclass(eq=False)
@@ -47,6 +53,9 @@ class Ticket:
     overflow: bool = False
     watched: Watched | None = None  # followed by the latency guard while it streams
     prefill: int = 0  # prompt tokens counted in its backend's prefill backlog until 1st byte
+    cached_tokens: int = 0  # of its prompt predicted in its backend's prefix cache
+    tokens: int = 0  # counted in its backend's in-flight tokens until released
+    held: Sequence[int] = ()  # its prompt blocks, held in its backend's prefix index till then
 
 
 @dataclass(eq=False)
@@ -66,6 +75,7 @@ class PoolState:
     reserved: dict[str, int] = field(default_factory=dict)  # last known, backend -> blocks
     reserved_tokens: int = 0
     prefill: dict[str, int] = field(default_factory=dict)  # backend -> tokens before 1st byte
+    inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> this replica's
     drained_tokens: float = 0.0
     drain_rate: float = 0.0  # tokens/s released, EWMA
     overflow_inflight: int = 0

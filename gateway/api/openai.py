@@ -32,7 +32,7 @@ _ID_PREFIX = os.urandom(4).hex()
 _ids = itertools.count(1)
 _READ_HEADERS = frozenset({b"x-request-id", b"x-priority", b"authorization",
                            b"x-stainless-timeout", b"x-gateway-max-queue-ms",
-                           b"content-length", b"content-encoding"})
+                           b"content-length", b"content-encoding", b"x-session-id"})
 
 
 def new_request_id() -> str:

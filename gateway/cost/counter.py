@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
 from gateway.cost.estimator import chat_chars
-from gateway.cost.tokenizer import Tokenizer
+from gateway.cost.tokenizer import HFTokenizer, Tokenizer
+from gateway.prefix.hashing import block_hashes
 
 T = TypeVar("T")
 
@@ -65,11 +66,14 @@ _MALLOC_TRIM = _libc_trim()
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
-    """A prompt's measure: tokens (exact or estimated) and characters (for learning the ratio)."""
+    """A prompt's measure: tokens (exact or estimated) and characters (for learning the ratio);
+    with `block_size` asked, the chained hashes of its full blocks of token ids (exact
+    tokenizers only; gateway/prefix/hashing.py), computed in the same job as the count."""
 
     tokens: int
     chars: int
     exact: bool
+    hashes: Sequence[int] = ()
 
 
 CompletionPrompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -132,12 +136,20 @@ class TokenCounter:
         template_kwargs: Mapping[str, Any] | None = None,
         *,
         caller: str = "",
+        block_size: int | None = None,
     ) -> TokenCount:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError.
-        `caller`: whose turn a long prompt takes in the long lane."""
+        `caller`: whose turn a long prompt takes in the long lane; `block_size`: hash the
+        prompt's blocks too (prefix routing)."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
+        if block_size and isinstance(tok, HFTokenizer):
+            # Ids instead of a count, through the same piece cache, and hashed in the same
+            # job: a long prompt is hashed off the loop with its count.
+            tokens, hashes = await self._off_loop(chars, caller, _chat_hashes, tok, messages,
+                                                  tools, template_kwargs or {}, block_size)
+            return TokenCount(tokens, chars, True, hashes)
         tokens = await self._off_loop(chars, caller, tok.count_chat, messages, tools,
                                       **(template_kwargs or {}))
         return TokenCount(int(tokens), chars, tok.exact)
@@ -154,15 +166,25 @@ class TokenCounter:
         self.check_chars(len(text), "prompt")
         return int(await self._off_loop(len(text), "", self.tokenizer.count_text, text))
 
-    async def measure_prompt(self, prompt: CompletionPrompt, *,
-                             caller: str = "") -> list[TokenCount]:
+    async def measure_prompt(self, prompt: CompletionPrompt, *, caller: str = "",
+                             block_size: int | None = None) -> list[TokenCount]:
         """A completions `prompt`: one count per sequence it holds (vLLM serves a list as a batch).
 
         Strings are encoded with the tokenizer's special-token additions; token ids are counted.
+        `block_size`: a single prompt's block hashes too (a batch's are not used for routing).
         """
         sequences = _completion_sequences(prompt)
         chars = sum(len(s) for s in sequences if isinstance(s, str))
         self.check_chars(chars, "prompt")
+        if block_size and len(sequences) == 1:
+            only = sequences[0]
+            if isinstance(only, list):
+                return [TokenCount(len(only), 0, True, block_hashes(only, block_size))]
+            tok = self.tokenizer
+            if isinstance(tok, HFTokenizer):
+                tokens, hashes = await self._off_loop(chars, caller, _text_hashes, tok, only,
+                                                      block_size)
+                return [TokenCount(tokens, len(only), True, hashes)]
         texts = [s for s in sequences if isinstance(s, str)]
         counts: list[int] = []
         if texts:
@@ -186,6 +208,18 @@ def _then_trim(job: Any) -> Any:
     finally:
         if _MALLOC_TRIM is not None:
             _MALLOC_TRIM(0)
+
+
+def _chat_hashes(tok: HFTokenizer, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any],
+                 block_size: int) -> tuple[int, list[int]]:
+    ids = tok.chat_ids(messages, tools, **kwargs)
+    return len(ids), block_hashes(ids, block_size)
+
+
+def _text_hashes(tok: HFTokenizer, text: str, block_size: int) -> tuple[int, list[int]]:
+    ids = tok.text_ids(text)
+    return len(ids), block_hashes(ids, block_size)
 
 
 def _count_texts(tokenizer: Tokenizer, texts: list[str]) -> list[int]:

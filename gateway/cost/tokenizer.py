@@ -24,6 +24,7 @@ import importlib.util
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -80,17 +81,20 @@ class Tokenizer(Protocol):
 
 
 class _PieceCache:
-    """Bounded LRU of rendered-text piece -> token count, safe across worker threads.
+    """Bounded LRU of rendered-text piece -> token count, or its token ids, safe across worker
+    threads.
 
     Keyed by the piece's hash and length, not the text, so a 64 KB history is not kept alive
     twice. Python's str hash is SipHash with a per-process random key: collisions among a few
     thousand entries are ~1e-12 likely and cannot be forced by a client who does not know the key.
+    A piece's ids (kept where prefix routing needs them) are an `array('I')`: 4 bytes a token,
+    ~1 byte a character of text, a quarter of what a list of ints would hold.
     """
 
     def __init__(self, max_chars: int) -> None:
         self._max_chars = max_chars
         self._chars = 0
-        self._entries: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], int | array[int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -98,15 +102,27 @@ class _PieceCache:
     def get(self, piece: str) -> int | None:
         key = (hash(piece), len(piece))
         with self._lock:
-            count = self._entries.get(key)
-            if count is None:
+            found = self._entries.get(key)
+            if found is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
-            return count
+            return found if isinstance(found, int) else len(found)
 
-    def put(self, piece: str, count: int) -> None:
+    def get_ids(self, piece: str) -> array[int] | None:
+        """The piece's ids, when they were kept (a count alone is a miss here)."""
+        key = (hash(piece), len(piece))
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None or isinstance(found, int):
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return found
+
+    def put(self, piece: str, count: int | array[int]) -> None:
         key = (hash(piece), len(piece))
         if len(piece) > self._max_chars:
             return
@@ -151,6 +167,10 @@ class HFTokenizer:
         )
         self._splitter = _special_splitter(rust)
         self._post_tokens = rust.num_special_tokens_to_add(False)
+        # The ids of the added tokens the splitter cuts at (the splitter checked each encodes
+        # to exactly its own id).
+        self._special_ids: dict[str, int] = {
+            added.content: token_id for token_id, added in rust.get_added_tokens_decoder().items()}
         self.cache = _PieceCache(cache_chars)
 
     @property
@@ -194,6 +214,55 @@ class HFTokenizer:
 
     def count_ids(self, ids: Sequence[int]) -> int:
         return len(ids)
+
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> array[int]:
+        """The prompt's token ids, exactly as `count_chat` counts them (for block hashes)."""
+        return self.rendered_ids(self.render_chat(messages, tools, **template_kwargs))
+
+    def text_ids(self, text: str) -> list[int]:
+        """A completions prompt's ids, special-token additions included (as `count_text`).
+        Not cached: the post-processor's additions depend on the whole text's position."""
+        return list(self._rust.encode_batch_fast([text], add_special_tokens=True)[0].ids)
+
+    def rendered_ids(self, text: str) -> array[int]:
+        """Ids of already-rendered text, through the piece cache (ids kept per piece)."""
+        out: array[int] = array("I")
+        if self._splitter is None:
+            out.extend(self._rust.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+            return out
+        pieces = self._splitter.split(text)
+        found: list[array[int] | None] = [None] * len(pieces)
+        missing: dict[str, list[int]] = {}
+        for i in range(0, len(pieces), 2):
+            piece = pieces[i]
+            if piece:
+                ids = self.cache.get_ids(piece)
+                if ids is None:
+                    missing.setdefault(piece, []).append(i)
+                else:
+                    found[i] = ids
+        if missing:
+            unique = list(missing)
+            for piece, enc in zip(unique, self._rust.encode_batch_fast(
+                    unique, add_special_tokens=False), strict=True):
+                ids = array("I", enc.ids)
+                self.cache.put(piece, ids)
+                for i in missing[piece]:
+                    found[i] = ids
+        special = self._special_ids
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                out.append(special[piece])
+            else:
+                ids = found[i]
+                if ids is not None:
+                    out.extend(ids)
+        return out
 
     def count_rendered(self, text: str) -> int:
         """Tokens of already-rendered text, without special-token additions, through the cache."""

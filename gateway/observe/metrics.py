@@ -34,6 +34,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from gateway.observe.kv_events_metrics import KVEventMetrics
+from gateway.observe.prefix_metrics import PrefixMetrics
 from gateway.policy.model import Policy, PricingSpec
 
 # No `<name>_created` series beside every counter and histogram: one more sample per label
@@ -226,6 +228,8 @@ class GatewayMetrics:
         for op in ("reserve", "release", "refresh", "usage", "quota"):
             self.state_errors.labels(op)  # from 0, so a single error is an increase
             self.state_timeouts.labels(op)
+        self.prefix = PrefixMetrics(r)  # gateway/observe/prefix_metrics.py
+        self.kv_events = KVEventMetrics(r)  # gateway/observe/kv_events_metrics.py
         renamed = [self.queue_depth, self.kv_blocks_reserved, self.kv_blocks_capacity,
                    self.prefill_tokens_pending]
         r.register(DeprecatedAliases(lambda: (f for m in renamed for f in m.collect())))

@@ -50,3 +50,14 @@ def tokens_used(record: Record | None) -> int | None:
     used = usage_of(record.endpoint, record.stream, record.estimated_prompt_tokens,
                     record.relay)
     return None if used is None else used[0] + used[2]
+
+
+def charge_of(record: Record | None, taken: int, gone: bool) -> int | None:
+    """Tokens to charge the tenant: the engine's usage; everything reserved (`taken`) when the
+    engine took the request but no usage could be read (a non-streaming answer cut after its
+    caller left); nothing (None: a full refund) when no engine took it."""
+    used = tokens_used(record)
+    if used is None and gone and record is not None and not record.stream \
+            and record.relay.attempts and record.relay.status in (0, 200):
+        return taken
+    return used

@@ -41,13 +41,21 @@ log = logging.getLogger("gateway.signals")
 #   SGLang: python/sglang/srt/metrics/collector.py (SchedulerMetricsCollector): num_running_reqs,
 #     num_queue_reqs, token_usage (0-1), max_total_num_tokens ("Maximum total number of tokens
 #     in the KV cache pool"), one series per scheduler process.
+#   Prefix cache: vLLM V1's counters vllm:prefix_cache_queries / vllm:prefix_cache_hits ("in
+#     terms of number of queried / cached tokens"; prometheus_client exposes a Counter with
+#     `_total`), which replaced the deprecated vllm:gpu_prefix_cache_queries / _hits; SGLang's
+#     gauge sglang:cache_hit_rate (collector.py), a ratio over its recent batches.
 _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {"running": ("vllm:num_requests_running",),
              "waiting": ("vllm:num_requests_waiting",),
-             "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")},
+             "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+             "prefix_queries": ("vllm:prefix_cache_queries_total",
+                                "vllm:gpu_prefix_cache_queries_total"),
+             "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")},
     "sglang": {"running": ("sglang:num_running_reqs",), "waiting": ("sglang:num_queue_reqs",),
                "kv_usage": ("sglang:token_usage",),
-               "max_tokens": ("sglang:max_total_num_tokens",)},
+               "max_tokens": ("sglang:max_total_num_tokens",),
+               "cache_hit_rate": ("sglang:cache_hit_rate",)},
     # llama.cpp (server --metrics): tools/server/server-task.cpp,
     # server_task_result_metrics::to_metrics, pinned by tools/engine-llamacpp. Gauges:
     # requests_processing (slots processing), requests_deferred (tasks waiting for a slot),
@@ -97,6 +105,11 @@ class EngineSample:
     busy_slots_per_decode: float | None = None
     prompt_tokens_total: float | None = None
     predicted_tokens_total: float | None = None
+    # The engine's prefix cache: vLLM's cumulative counters in tokens, summed over its
+    # engines; SGLang's recent hit rate (0-1).
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    cache_hit_rate: float | None = None
 
 
 def _series(line: str, start: int) -> Series | None:
@@ -166,6 +179,7 @@ def _vllm(found: dict[str, list[Series]], at: float) -> EngineSample:
         return out
 
     running, waiting, usage = per_engine("running"), per_engine("waiting"), per_engine("kv_usage")
+    queries, hits = per_engine("prefix_queries"), per_engine("prefix_hits")
     configs = {labels.get("engine", ""): labels for labels, _ in found.get(_VLLM_CACHE_CONFIG, [])}
     blocks = [b for c in configs.values() if (b := _number(c, "num_gpu_blocks")) is not None]
     sizes = [s for c in configs.values() if (s := _number(c, "block_size")) is not None]
@@ -181,7 +195,9 @@ def _vllm(found: dict[str, list[Series]], at: float) -> EngineSample:
         block_size=min(sizes) if sizes else None,
         max_tokens=sum(t for t in tokens if t is not None)
         if tokens and all(t is not None for t in tokens) else None,
-        engines=len(engines) or None)
+        engines=len(engines) or None,
+        prefix_queries=sum(queries.values()) if queries else None,
+        prefix_hits=sum(hits.values()) if hits else None)
 
 
 def _sglang(found: dict[str, list[Series]], at: float) -> EngineSample:
@@ -208,6 +224,7 @@ def _sglang(found: dict[str, list[Series]], at: float) -> EngineSample:
 
     usage, capacity = per_group("kv_usage", _mean), per_group("max_tokens", min)
     running, waiting = per_group("running", max), per_group("waiting", max)
+    hit_rate = per_group("cache_hit_rate", _mean)
     kv_usage = None
     if usage:
         weights = [capacity.get(g, 0.0) for g in usage]
@@ -219,7 +236,8 @@ def _sglang(found: dict[str, list[Series]], at: float) -> EngineSample:
         waiting=sum(waiting.values()) if waiting else None,
         kv_usage=kv_usage,
         max_tokens=int(sum(capacity.values())) if capacity else None,
-        engines=len(groups) or None)
+        engines=len(groups) or None,
+        cache_hit_rate=_mean(list(hit_rate.values())) if hit_rate else None)
 
 
 def _llamacpp(found: dict[str, list[Series]], at: float,

@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-hash-block-size", type=int, default=512,
                    help="tokens per id in a request's prefix_hash_ids (Mooncake: 512)")
 
+    k = parser.add_argument_group("KV cache events (as vllm serve --kv-events-config)")
+    k.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish BlockStored/BlockRemoved/AllBlocksCleared on a PUB socket "
+                        "bound here, in vLLM's format (default: off)")
+    k.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="a ROUTER socket bound here replays missed batches")
+    k.add_argument("--kv-events-topic", default="", help="topic frame (default: empty)")
+
     s = parser.add_argument_group("simulation")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second: >1 slows the engine down (default: 1)")
@@ -83,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a stored response is kept after its last update "
                         f"(default: {d.responses_store_ttl_s:g})")
 
+    o.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prompt_tokens_details,
+                   help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag "
+                        "(off by default in vLLM; default here: on)")
+
     n = parser.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     n.add_argument("--port", type=int, default=8001)
@@ -104,6 +117,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_queued_reqs=args.max_num_queued_reqs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash_block_size=args.prefix_hash_block_size, time_scale=args.time_scale,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
         tokenizer=args.tokenizer, chat_template=args.chat_template, seed=args.seed,
         faults=FaultSettings(fail_rate=args.fail_rate, drop_rate=args.drop_rate,
                              drop_after_tokens=args.drop_after_tokens,
@@ -115,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def options_from_args(args: argparse.Namespace) -> EndpointOptions:
     options = EndpointOptions(image_tokens=args.image_tokens, embedding_dim=args.embedding_dim,
                               responses_store_max=args.responses_store_max,
-                              responses_store_ttl_s=args.responses_store_ttl_s)
+                              responses_store_ttl_s=args.responses_store_ttl_s,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     options.check()
     return options
 

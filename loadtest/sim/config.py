@@ -59,6 +59,11 @@ class SimConfig:
     chat_template: str | None = None
     seed: int = 0
     faults: FaultSettings = field(default_factory=FaultSettings)
+    # KV cache events, as vLLM's --kv-events-config: a PUB socket to bind (tcp://host:port),
+    # a ROUTER for replays, the topic. None: no events.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def resolve(self) -> EngineSpec:
         try:
@@ -113,6 +118,11 @@ class SimConfig:
                     f"--max-model-len: {max_model_len} tokens do not fit in the KV cache "
                     f"({blocks} blocks x {self.block_size} = {kv_tokens} tokens); as vLLM, "
                     "lower --max-model-len or raise --num-gpu-blocks")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ConfigError("--kv-events-endpoint needs prefix caching (as vLLM: the events "
+                              "are the prefix cache's)")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs <= 0:
             raise ConfigError(f"--max-num-queued-reqs: must be a positive integer, "
                               f"got {self.max_num_queued_reqs}")

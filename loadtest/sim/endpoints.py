@@ -36,6 +36,9 @@ class EndpointOptions:
     responses_store_max: int = 10_000
     responses_store_ttl_s: float = 3600.0
     responses_store_max_bytes: int = 256 * 2**20
+    # usage.prompt_tokens_details.cached_tokens, as vLLM's --enable-prompt-tokens-details
+    # (off by default in vLLM; on here, where tests compare it with the gateway's prediction).
+    enable_prompt_tokens_details: bool = True
 
     def check(self) -> None:
         if self.image_tokens < 0:

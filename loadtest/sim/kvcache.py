@@ -10,7 +10,9 @@ It follows vLLM V1's `BlockPool` / `KVCacheManager`:
   computing them: that is a prefix-cache hit;
 - a request's blocks are freed tail first, so a sequence's last blocks are evicted before its
   shared prefix is;
-- usage (`vllm:kv_cache_usage_perc`) is the share of blocks not in the free queue.
+- usage (`vllm:kv_cache_usage_perc`) is the share of blocks not in the free queue;
+- with an event sink (`--kv-events-endpoint`), where vLLM's block pool queues its KV cache
+  events, so does this one: a stored run of blocks, an evicted block, a reset.
 
 Blocks are bare ints; all state lives in flat lists, so one step's bookkeeping is cheap.
 """
@@ -34,10 +36,24 @@ class BlockOwner(Protocol):
 
     def block_hash(self, index: int) -> int: ...
 
+    def block_tokens(self, index: int, block_size: int) -> Sequence[int]: ...
+
+
+class KVEventSink(Protocol):
+    """Where the cache's events go (implemented by `kv_events.KVEventPublisher`)."""
+
+    def stored(self, hashes: list[int], parent: int | None, token_ids: list[int],
+               block_size: int) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
+
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.events: KVEventSink | None = None
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # block hash -> block id
@@ -68,6 +84,8 @@ class BlockPool:
             if old is not None:  # evict: its content is about to be overwritten
                 if self._cached.get(old) == block:
                     del self._cached[old]
+                    if self.events is not None:
+                        self.events.removed(old)
                 self._hash[block] = None
             self._ref[block] = 1
             out.append(block)
@@ -79,12 +97,14 @@ class BlockPool:
             if self._ref[block] == 0:
                 self._free[block] = None
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: int) -> bool:
         # A duplicate (two requests computed the same prefix in the same step) stays unregistered,
         # as in vLLM: the first copy serves later hits.
         if block_hash not in self._cached and self._hash[block] is None:
             self._cached[block_hash] = block
             self._hash[block] = block_hash
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (an engine restart loses the cache)."""
@@ -92,6 +112,8 @@ class BlockPool:
             if self._hash[block] == block_hash:
                 self._hash[block] = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
 
 class KVCacheManager:
@@ -150,9 +172,27 @@ class KVCacheManager:
         full = min(request.num_computed_tokens // self.block_size, len(request.blocks))
         if full <= request.num_registered_blocks:
             return  # no block filled up this step (15 steps in 16 of a decode)
+        events = self.pool.events
+        run: list[int] = []  # indexes of this step's consecutive newly cached blocks
         for index in range(request.num_registered_blocks, full):
-            self.pool.register(request.blocks[index], request.block_hash(index))
+            if self.pool.register(request.blocks[index], request.block_hash(index)):
+                run.append(index)
+            elif run and events is not None:
+                self._stored(request, run, events)
+                run = []
+        if run and events is not None:
+            self._stored(request, run, events)
         request.num_registered_blocks = max(request.num_registered_blocks, full)
+
+    def _stored(self, request: BlockOwner, run: list[int], events: KVEventSink) -> None:
+        # One BlockStored per run, its parent the block before it, as vLLM's cache_full_blocks.
+        first = run[0]
+        tokens: list[int] = []
+        for index in run:
+            tokens.extend(request.block_tokens(index, self.block_size))
+        events.stored([request.block_hash(i) for i in run],
+                      request.block_hash(first - 1) if first > 0 else None, tokens,
+                      self.block_size)
 
     def free(self, request: BlockOwner) -> None:
         self.pool.release(request.blocks)

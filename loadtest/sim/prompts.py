@@ -1,7 +1,8 @@
 """Block hashes of a prompt, for prefix caching: equal leading hashes mean a shared prefix.
 
 vLLM hashes each full block of token ids chained with its parent's hash. The simulator does that
-exactly when it has the ids (a completions prompt given as token ids). Otherwise:
+exactly when it has the ids (a completions prompt given as token ids, or any prompt when it has
+an exact tokenizer), with the gateway's function (gateway/prefix/hashing.py). Otherwise:
 
 - `prefix_hash_ids` (a request field, for replaying traces without text): one id per
   `prefix_hash_block_size` tokens (512 in Mooncake traces). Engine block i lies in hash block
@@ -22,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from gateway.prefix.hashing import block_hashes
+
 # Estimate for block boundaries only (the prompt's token count is always exact): BPE vocabularies
 # of 100K+ tokens average ~4 characters a token on English text.
 TOKENS_PER_CHAR = 0.25
@@ -30,12 +33,8 @@ MESSAGE_OVERHEAD_TOKENS = 5
 
 
 def from_token_ids(ids: Sequence[int], block_size: int) -> list[int]:
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
+    # The gateway's own definition, so its prefix index and this cache name blocks alike.
+    return block_hashes(ids, block_size)
 
 
 def from_hash_ids(hash_ids: Sequence[int], hash_block_size: int, prompt_tokens: int,

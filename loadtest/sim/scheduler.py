@@ -43,6 +43,7 @@ class SimRequest:
     arrival_time: float
     prompt_hashes: Sequence[int] = ()  # hashes of the prompt's full blocks, in order
     salt: int = 0  # makes the hashes of blocks past the prompt unique to this request
+    prompt_ids: Sequence[int] = ()  # the prompt's token ids, when known (for KV events)
     on_progress: Callable[[SimRequest], None] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -71,6 +72,16 @@ class SimRequest:
             return self.prompt_hashes[index]
         # Blocks holding generated tokens only ever match this request's own recompute.
         return hash((self.salt, index))
+
+    def block_tokens(self, index: int, block_size: int = 16) -> Sequence[int]:
+        """Token ids of full block `index` (a KV event carries them). Where the ids are not
+        known (generated tokens, a prompt known by length only): ids past any vocabulary,
+        unique to this request, so nothing re-hashed from them matches another prompt."""
+        start = index * block_size
+        if start + block_size <= len(self.prompt_ids):
+            return self.prompt_ids[start:start + block_size]
+        base = (1 << 32) + (self.salt * 1_000_003 + index) * block_size
+        return range(base, base + block_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,16 +21,18 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
 import uvicorn
 
 from gateway.cost import (
+    HFTokenizer,
     RequestCostError,
     TokenCounter,
     Tokenizer,
+    chat_chars,
     load_tokenizer,
     openai_messages,
 )
@@ -45,6 +47,7 @@ from loadtest.sim.faults import (
     RequestFaults,
     parse_update,
 )
+from loadtest.sim.kv_events import KVEventPublisher, run_replay
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.outputs import OutputLengths
 from loadtest.sim.protocol import (
@@ -104,6 +107,7 @@ class SimApp:
         self.tokenizer = tokenizer
         self.counter: TokenCounter | None = None
         self.listener: Listener | None = None  # set by serve(); needed for the "down" fault
+        self.kv_events: KVEventPublisher | None = None  # --kv-events-endpoint
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -132,6 +136,14 @@ class SimApp:
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template)
         self.counter = TokenCounter(self.tokenizer)
+        if self.config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(self.config.kv_events_endpoint,
+                                              self.config.kv_events_replay_endpoint,
+                                              self.config.kv_events_topic)
+            self.core.kv.pool.events = self.kv_events
+            task = asyncio.create_task(run_replay(self.kv_events), name="sim-kv-replay")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine-loop")
         log.info("simulated engine: %s", self.spec.describe())
 
@@ -146,6 +158,10 @@ class SimApp:
                 request.on_progress(request)
         if self.counter is not None:
             self.counter.close()
+        if self.kv_events is not None:
+            for task in list(self._background):
+                task.cancel()
+            self.kv_events.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -198,6 +214,8 @@ class SimApp:
                 self.late_s -= delay
             await asyncio.sleep(delay if delay > 0 else 0)
             events = core.finish_step(step, loop.time())
+            if self.kv_events is not None:
+                self.kv_events.flush()  # one batch per step, as vLLM's engine core
             self.metrics.observe_step(core, events)
             for request in events.emitted:
                 if request.on_progress is not None:
@@ -222,7 +240,7 @@ class SimApp:
             faults = self.faults.draw()
             if faults.fail:
                 raise ApiError(500, "Simulated engine failure (fault injection: fail_rate).")
-            prompt_tokens, hashes = await self._measure(parsed)
+            prompt_tokens, hashes, prompt_ids = await self._measure(parsed)
             error = context_length_error(self.spec.max_model_len, prompt_tokens,
                                          parsed.max_tokens)
             if error is not None:
@@ -233,7 +251,7 @@ class SimApp:
             request = await self.enter(
                 arrival, request_id, prompt_tokens, hashes,
                 parsed.max_tokens or self.spec.max_model_len - prompt_tokens,
-                parsed.min_tokens, parsed.ignore_eos, sink.notify)
+                parsed.min_tokens, parsed.ignore_eos, sink.notify, prompt_ids=prompt_ids)
         except ApiError as exc:
             await _respond(send, exc.status, exc.body())
             return
@@ -253,7 +271,8 @@ class SimApp:
 
     async def enter(self, arrival: float, request_id: str, prompt_tokens: int,
                     hashes: list[int], max_tokens: int, min_tokens: int, ignore_eos: bool,
-                    on_progress: Callable[[SimRequest], None]) -> SimRequest:
+                    on_progress: Callable[[SimRequest], None],
+                    prompt_ids: Sequence[int] = ()) -> SimRequest:
         """A measured request into the engine's waiting queue (every generating endpoint): the
         API server's time, then the in-flight cap (ApiError 503), then the queue."""
         loop = asyncio.get_running_loop()
@@ -269,7 +288,8 @@ class SimApp:
                            "Please retry later.")
         target = self.lengths.draw(max_tokens, min(min_tokens, max_tokens), ignore_eos)
         request = SimRequest(request_id, prompt_tokens, max_tokens, target, arrival, hashes,
-                             salt=next(self._salts), on_progress=on_progress)
+                             salt=next(self._salts), on_progress=on_progress,
+                             prompt_ids=prompt_ids)
         # No await between the in-flight check above and this add: the count is exact.
         self.core.add(request)
         self._wake.set()
@@ -281,13 +301,30 @@ class SimApp:
             self.core.abort(request)
             self._wake.set()
 
-    async def _measure(self, parsed: ParsedRequest) -> tuple[int, list[int]]:
-        """Exact prompt tokens (the gateway's tokenizer) and block hashes for prefix caching."""
+    async def _measure(self, parsed: ParsedRequest) -> tuple[int, list[int], Sequence[int]]:
+        """Exact prompt tokens (the gateway's tokenizer), block hashes for prefix caching, and
+        the prompt's token ids where they are known (for the KV events' BlockStored)."""
         assert self.counter is not None, "SimApp.startup() was not run"
         block = self.spec.block_size
         caching = self.spec.enable_prefix_caching
         messages: list[dict[str, Any]] = []
+        tokenizer = self.counter.tokenizer
         try:
+            if caching and parsed.prefix_hash_ids is None and not parsed.images \
+                    and isinstance(tokenizer, HFTokenizer) and parsed.prompt_ids is None:
+                # An exact tokenizer gives the ids themselves: blocks hashed as the gateway
+                # hashes them (gateway/prefix/hashing.py), so its prefix index and this cache
+                # name the same blocks alike.
+                ids: Sequence[int]
+                if parsed.kind == "chat":
+                    messages = openai_messages(parsed.messages)
+                    self.counter.check_chars(chat_chars(messages, parsed.tools))
+                    ids = await asyncio.to_thread(tokenizer.chat_ids, messages, parsed.tools,
+                                                  **parsed.template_kwargs)
+                else:
+                    self.counter.check_chars(len(parsed.prompt_text or ""), "prompt")
+                    ids = await asyncio.to_thread(tokenizer.text_ids, parsed.prompt_text or "")
+                return len(ids), prompts.from_token_ids(ids, block), ids
             if parsed.kind == "chat":
                 # vLLM's normalisation before the template (null content -> "", text parts
                 # joined, tool-call arguments parsed), as the gateway counts.
@@ -302,18 +339,19 @@ class SimApp:
         except RequestCostError as exc:
             raise bad_request(str(exc), exc.param) from None
         if not caching:
-            return tokens, []
+            return tokens, [], ()
         if parsed.prefix_hash_ids is not None:
             hashes = prompts.from_hash_ids(parsed.prefix_hash_ids,
                                            self.spec.prefix_hash_block_size, tokens, block)
         elif parsed.prompt_ids is not None:
             hashes = prompts.from_token_ids(parsed.prompt_ids, block)
+            return tokens, hashes, parsed.prompt_ids
         elif parsed.kind == "chat":
             hashes = prompts.from_messages(multimodal.keyed(messages, parsed.images),
                                            parsed.tools, tokens, block)
         else:
             hashes = prompts.from_text(parsed.prompt_text or "", tokens, block)
-        return tokens, hashes
+        return tokens, hashes, ()
 
     async def _watch_disconnect(self, receive: Receive, request: SimRequest, sink: _Sink) -> None:
         while True:
@@ -368,7 +406,8 @@ class SimApp:
                 sent += 1
             if done:
                 if parsed.include_usage:
-                    out.append(frames.usage(request.prompt_tokens, request.num_output_tokens))
+                    out.append(frames.usage(request.prompt_tokens, request.num_output_tokens,
+                                            self._cached_tokens(request)))
                 out.append(sse.DONE)
                 await send({"type": "http.response.body", "body": b"".join(out),
                             "more_body": False})
@@ -387,7 +426,8 @@ class SimApp:
             await asyncio.sleep(faults.stall_s)
         build = sse.chat_response if chat else sse.completion_response
         body = build(request.request_id, self.spec.served_model_name, request.prompt_tokens,
-                     request.num_output_tokens, request.finish_reason or "length")
+                     request.num_output_tokens, request.finish_reason or "length",
+                     self._cached_tokens(request))
         if faults.drop_after is not None:
             # Promise the whole body, send half of it, return: the client sees a cut response.
             await send({"type": "http.response.start", "status": 200,
@@ -396,6 +436,13 @@ class SimApp:
                         "more_body": True})
             return
         await _respond(send, 200, body)
+
+    def _cached_tokens(self, request: SimRequest) -> int:
+        """What vLLM reports as usage.prompt_tokens_details.cached_tokens: the prefix-cache hit
+        at the request's first scheduling, with --enable-prompt-tokens-details."""
+        if not self.options.enable_prompt_tokens_details:
+            return 0
+        return max(0, request.num_cached_tokens)
 
     # -- other endpoints ----------------------------------------------------------------------
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -461,6 +508,8 @@ class SimApp:
             if request.on_progress is not None:
                 request.on_progress(request)
         self.core.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.metrics.observe_state(self.core)
 
 

@@ -29,9 +29,13 @@ def filler_text(tokens: int) -> str:
     return "".join(" " + _WORDS[i % n] for i in range(tokens))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    # vLLM (entrypoints/openai/serving_chat.py, serving_completion.py) fills
+    # prompt_tokens_details only with --enable-prompt-tokens-details and a non-zero hit:
+    # PromptTokenUsageInfo(cached_tokens=num_cached_tokens). The caller passes 0 for "off".
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None}
 
 
 class Frames:
@@ -66,13 +70,14 @@ class Frames:
         return (self._tok_head + WORDS[index % len(WORDS)] + self._tok_mid
                 + f'"{finish_reason}","stop_reason":null}}]}}\n\n'.encode())
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         return (self._head + b',"choices":[],"usage":'
-                + orjson.dumps(usage(prompt_tokens, completion_tokens)) + b"}\n\n")
+                + orjson.dumps(usage(prompt_tokens, completion_tokens, cached_tokens))
+                + b"}\n\n")
 
 
 def chat_response(request_id: str, model: str, prompt_tokens: int, completion_tokens: int,
-                  finish_reason: str) -> bytes:
+                  finish_reason: str, cached_tokens: int = 0) -> bytes:
     return orjson.dumps({
         "id": request_id, "object": "chat.completion", "created": int(time.time()),
         "model": model,
@@ -83,13 +88,13 @@ def chat_response(request_id: str, model: str, prompt_tokens: int, completion_to
                                  "reasoning_content": None},
                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
         "service_tier": None, "system_fingerprint": None,
-        "usage": usage(prompt_tokens, completion_tokens), "prompt_logprobs": None,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "prompt_logprobs": None,
         "kv_transfer_params": None,
     })
 
 
 def completion_response(request_id: str, model: str, prompt_tokens: int, completion_tokens: int,
-                        finish_reason: str) -> bytes:
+                        finish_reason: str, cached_tokens: int = 0) -> bytes:
     return orjson.dumps({
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": model,
@@ -97,5 +102,5 @@ def completion_response(request_id: str, model: str, prompt_tokens: int, complet
                      "finish_reason": finish_reason, "stop_reason": None,
                      "prompt_logprobs": None}],
         "service_tier": None, "system_fingerprint": None,
-        "usage": usage(prompt_tokens, completion_tokens), "kv_transfer_params": None,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "kv_transfer_params": None,
     })

@@ -1,0 +1,155 @@
+"""Prefix routing's side of admission: what each backend holds of a request's prompt, the
+session's backend, and keeping every backend's prefix index (gateway/prefix/index.py).
+
+Per request and backend the view carries the predicted cached tokens (the index's leading
+blocks x block size, at most the prompt less one token: an engine always computes the last
+token to get its logits) and the blocks requests in flight there already hold (not reserved
+twice). On admission the prompt's blocks go into the chosen backend's index (approximate
+mode: what the gateway sent is what the engine will hold) and are held until release.
+
+Session affinity is rendezvous hashing (highest random weight) over all of the pool's
+backends: a backend that goes away moves only its own sessions, and every gateway replica
+picks the same one. blake2b, not Python's salted str hash, so replicas agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from gateway.admission.pool import Ask, PoolState, Ticket
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy.model import PoolSpec
+from gateway.prefix import IndexMode, PrefixIndex, PrefixIndexes
+from gateway.routing import PrefixRule
+from gateway.signals.engines import EngineSample
+
+HASHED_MODES = ("approximate", "precise", "shadow")  # modes that read a prompt's block hashes
+
+
+def rule_of(spec: PoolSpec) -> PrefixRule | None:
+    p = spec.routing.prefix
+    if p.mode == "off":
+        return None
+    return PrefixRule(p.cache_weight, p.kv_weight, p.prefill_weight, p.imbalance_epsilon,
+                      p.imbalance_slack_tokens, act=p.mode != "shadow")
+
+
+def hash_block_size(pools: Sequence[PoolSpec]) -> int | None:
+    """The block size a model's prompts are hashed at: its first pool that reads hashes."""
+    return next((p.block_size for p in pools if p.routing.prefix.mode in HASHED_MODES), None)
+
+
+class PrefixPlacement:
+    def __init__(self, indexes: PrefixIndexes, metrics: GatewayMetrics) -> None:
+        self.indexes = indexes
+        self.metrics = metrics.prefix
+        self._counters: dict[tuple[str, str], tuple[float, float]] = {}  # last scraped
+
+    def configure(self, ps: PoolState) -> None:
+        """Each backend's index at its capacity and mode (after start and every reload)."""
+        p = ps.spec.routing.prefix
+        if p.mode not in HASHED_MODES:
+            return
+        for b in ps.spec.backends:
+            precise = p.mode == "precise" and b.kv_events is not None
+            mode = IndexMode.PRECISE if precise else IndexMode.APPROXIMATE
+            old = self.indexes.mode(ps.name, b.name)
+            if precise and old is IndexMode.FELL_BACK:
+                mode = old  # the subscriber says when its events are good again
+            self.indexes.configure(ps.name, b.name, p.capacity_blocks or ps.capacity[b.name],
+                                   mode)
+
+    def on_sample(self, ps: PoolState, backend: str, sample: EngineSample) -> None:
+        """An engine's scrape: its prefix-cache counters exported, its KV capacity (just
+        learnt by Capacity) the index's, and a restart (its counters fell) forgets it."""
+        index = self.indexes.get(ps.name, backend)
+        if index is not None and ps.spec.routing.prefix.capacity_blocks is None \
+                and backend in ps.capacity:
+            index.resize(ps.capacity[backend])
+        if sample.cache_hit_rate is not None:
+            self.metrics.engine_hit_rate.labels(ps.name, backend).set(sample.cache_hit_rate)
+        if sample.prefix_queries is None or sample.prefix_hits is None:
+            return
+        key = (ps.name, backend)
+        last = self._counters.get(key)
+        self._counters[key] = (sample.prefix_queries, sample.prefix_hits)
+        if last is None:
+            return  # the first sample only sets the baseline: its totals predate us
+        queries, hits = sample.prefix_queries - last[0], sample.prefix_hits - last[1]
+        if queries < 0 or hits < 0:  # a new process: its cache starts empty
+            self.forget(ps.name, backend, "restarted")
+            queries, hits = sample.prefix_queries, sample.prefix_hits
+        self.metrics.engine_queries.labels(ps.name, backend).inc(queries)
+        self.metrics.engine_hits.labels(ps.name, backend).inc(hits)
+
+    def _index(self, ps: PoolState, ask: Ask, backend: str) -> PrefixIndex | None:
+        if not ask.hashes or ask.hash_block != ps.spec.block_size:
+            return None
+        return self.indexes.get(ps.name, backend)
+
+    def at(self, ps: PoolState, ask: Ask, backend: str) -> tuple[int, int]:
+        """(predicted cached tokens, blocks held by requests in flight) of `ask` there."""
+        index = self._index(ps, ask, backend)
+        if index is None:
+            return 0, 0
+        block = ps.spec.block_size
+        held = index.held(ask.hashes)
+        # Blocks that requests in flight there hold count as cached: in precise mode the
+        # events name a block only once the engine has computed it, while a request sent
+        # behind one still prefilling its prefix is scheduled after it and hits. The engine
+        # computes the last prompt token whatever it holds (its logits are needed): a hit is
+        # at most the full blocks before it (vLLM's get_computed_blocks).
+        cached = min(max(index.match(ask.hashes), held),
+                     max(0, ask.prompt_tokens - 1) // block) * block
+        return cached, held
+
+    def affinity(self, ps: PoolState, ask: Ask) -> str | None:
+        """The backend the request's session hashes to, where the pool uses affinity."""
+        p = ps.spec.routing.prefix
+        if ask.session is None or not (p.session_affinity or p.mode == "session"):
+            return None
+        key = ask.session.encode()
+        return max((b.name for b in ps.spec.backends),
+                   key=lambda name: hashlib.blake2b(key + b"\0" + name.encode(),
+                                                    digest_size=8).digest())
+
+    def admitted(self, ps: PoolState, ask: Ask, ticket: Ticket, by: str) -> None:
+        """The request is placed on `ticket.backend`: learn and hold its blocks there."""
+        self.metrics.placements.labels(ps.name, by).inc()
+        name = ticket.backend.name
+        index = self._index(ps, ask, name)
+        if index is None:
+            return
+        if self.indexes.learns_from_traffic(ps.name, name):
+            index.store(ask.hashes)
+            self.metrics.index_blocks.labels(ps.name, name).set(len(index))
+        index.acquire(ask.hashes)
+        ticket.held = ask.hashes
+
+    def observed(self, ticket: Ticket, prompt_tokens: int | None,
+                 engine_cached: int | None) -> None:
+        """The engine's usage came back: its cached tokens against the prediction, counted
+        over the same requests (those whose usage was read) in pools that route by prefix."""
+        pool = ticket.pool
+        if prompt_tokens is None or ticket.lease is None \
+                or self.indexes.mode(pool, ticket.backend.name) is None:
+            return
+        name = ticket.backend.name
+        m = self.metrics
+        m.prompt_tokens.labels(pool, name).inc(prompt_tokens)
+        m.predicted_cached.labels(pool, name).inc(ticket.cached_tokens)
+        m.engine_cached.labels(pool, name).inc(engine_cached or 0)
+
+    def released(self, ticket: Ticket) -> None:
+        if ticket.held:
+            index = self.indexes.get(ticket.pool, ticket.backend.name)
+            if index is not None:
+                index.release(ticket.held)
+            ticket.held = ()
+
+    def forget(self, pool: str, backend: str, why: str) -> None:
+        if self.indexes.get(pool, backend) is not None:
+            self.indexes.forget(pool, backend)
+            self.metrics.index_forgotten.labels(pool, backend, why).inc()
+            self.metrics.index_blocks.labels(pool, backend).set(0)

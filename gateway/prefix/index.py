@@ -1,0 +1,228 @@
+"""Which prompt blocks each backend holds, by the gateway's block hash (gateway/prefix/hashing.py).
+
+One `PrefixIndex` per backend, kept in one of two ways (`IndexMode`):
+- approximate: the gateway stores the blocks of every prompt it sends the backend and ages them
+  out, least recently used first, at a capacity in blocks that models the backend's KV cache.
+  A prompt's blocks are stored last block first, so its first block is the most recently used
+  and an eviction takes a sequence's tail before its shared prefix, as vLLM frees a request's
+  blocks tail first;
+- precise: the engine's own KV cache events store and remove blocks (gateway/prefix/events.py).
+  Events carry the engine's hashes; the subscriber re-hashes their token ids with the gateway's
+  function and stores both, so a later BlockRemoved (engine hashes only) finds its blocks
+  (`remove_engine`) and a BlockStored's parent (`gateway_hash`) continues the chain. Events
+  that claim more blocks than the capacity are clamped to it, oldest out (`clamped` counts them).
+When the events fail (garbage, silence, a gap the replay cannot fill) a backend falls back to
+approximate (`FELL_BACK`) until they recover.
+
+`PrefixIndexes` holds every backend's index by (pool, backend) and forgets one (clears it)
+when its backend is ejected, fails its probe or restarts: its engine's cache is gone or unknown.
+Everything here runs on the event loop and is O(blocks of the request).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
+
+
+class IndexMode(enum.Enum):
+    APPROXIMATE = "approximate"
+    PRECISE = "precise"
+    FELL_BACK = "fell_back"  # precise wanted, events failing: kept as approximate meanwhile
+
+
+class PrefixIndex:
+    """A backend's cached blocks: gateway hash -> the engine's hash (None in approximate mode),
+    in least-recently-used order (oldest first)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self._blocks: OrderedDict[int, int | None] = OrderedDict()
+        self._by_engine: dict[int, int] = {}  # engine hash -> gateway hash (precise mode)
+        # gateway hash -> requests in flight holding it (kept apart from the cache: a block in
+        # use is never evicted, and a forget leaves the requests' own bookkeeping alone)
+        self._held: dict[int, int] = {}
+        self.clamped = 0  # blocks dropped because more were stored than the capacity
+        self.evicted = 0  # blocks aged out (either mode)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are held (the cached prefix, in blocks).
+        Pure: a match does not refresh the blocks (a preview must change nothing)."""
+        return _leading(self._blocks, hashes)
+
+    def acquire(self, hashes: Sequence[int]) -> None:
+        """A request in flight holds these blocks at the engine (they are shared, not free)."""
+        held = self._held
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+
+    def release(self, hashes: Sequence[int]) -> None:
+        held = self._held
+        for h in hashes:
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+
+    def held(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` requests in flight hold now."""
+        return _leading(self._held, hashes)
+
+    def store(self, hashes: Sequence[int], engine_hashes: Sequence[int] | None = None) -> int:
+        """Hold `hashes` (a prompt's blocks in order, or an event's), most recent first block;
+        returns how many blocks had to go to stay within the capacity."""
+        blocks = self._blocks
+        if engine_hashes is None:
+            for h in reversed(hashes):
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = None
+        else:
+            by_engine = self._by_engine
+            for h, e in zip(reversed(hashes), reversed(engine_hashes), strict=True):
+                old = blocks.get(h)
+                if old is not None and old != e and by_engine.get(old) == h:
+                    del by_engine[old]
+                blocks[h] = e
+                blocks.move_to_end(h)
+                by_engine[e] = h
+        return self._shrink(clamp=engine_hashes is not None)
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Refresh held blocks (an engine event said they were used again)."""
+        blocks = self._blocks
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            e = self._blocks.pop(h, None)
+            if e is not None and self._by_engine.get(e) == h:
+                del self._by_engine[e]
+
+    def remove_engine(self, engine_hashes: Iterable[int]) -> int:
+        """Remove blocks named by the engine's hashes (BlockRemoved); returns how many were held."""
+        n = 0
+        for e in engine_hashes:
+            h = self._by_engine.pop(e, None)
+            if h is not None and self._blocks.get(h) == e:
+                del self._blocks[h]
+                n += 1
+        return n
+
+    def gateway_hash(self, engine_hash: int) -> int | None:
+        """The gateway's hash of a block the engine named (None: not held, or never seen)."""
+        return self._by_engine.get(engine_hash)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._by_engine.clear()
+
+    def resize(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self._shrink(clamp=False)
+
+    def _shrink(self, clamp: bool) -> int:
+        blocks = self._blocks
+        over = len(blocks) - self.capacity_blocks
+        if over <= 0:
+            return 0
+        by_engine = self._by_engine
+        for _ in range(over):
+            _, e = blocks.popitem(last=False)
+            if e is not None:
+                by_engine.pop(e, None)
+        if clamp:
+            self.clamped += over
+        else:
+            self.evicted += over
+        return over
+
+
+def _leading(held: Container[int], hashes: Sequence[int]) -> int:
+    """The number of leading `hashes` in `held`, assuming the held ones form a prefix: probes
+    at 1, 2, 4, ... blocks, then bisects the last gap, O(log n) lookups. Chained hashes make
+    a held block's ancestors held too in both modes (a prompt is stored first block last, and
+    engines evict a sequence's tail first), so this is the linear count in practice; where an
+    ancestor did go first, the count is what the engine would report as far as that block."""
+    n = len(hashes)
+    if n == 0 or hashes[0] not in held:
+        return 0
+    lo, step = 1, 1  # hashes[:lo] are held
+    while lo < n:
+        probe = min(n, lo + step)
+        if hashes[probe - 1] not in held:
+            hi = probe - 1  # hashes[hi] is not held
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in held:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
+        lo = probe
+        step *= 2
+    return n
+
+
+class PrefixIndexes:
+    """Every backend's index, by (pool, backend name), and the mode each is kept in."""
+
+    def __init__(self) -> None:
+        self._indexes: dict[tuple[str, str], PrefixIndex] = {}
+        self._modes: dict[tuple[str, str], IndexMode] = {}
+
+    def configure(self, pool: str, backend: str, capacity_blocks: int,
+                  mode: IndexMode = IndexMode.APPROXIMATE) -> PrefixIndex:
+        """The backend's index (made on first use, resized after), in `mode`."""
+        key = (pool, backend)
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = PrefixIndex(capacity_blocks)
+        elif index.capacity_blocks != capacity_blocks:
+            index.resize(capacity_blocks)
+        self._modes[key] = mode
+        return index
+
+    def get(self, pool: str, backend: str) -> PrefixIndex | None:
+        return self._indexes.get((pool, backend))
+
+    def mode(self, pool: str, backend: str) -> IndexMode | None:
+        return self._modes.get((pool, backend))
+
+    def set_mode(self, pool: str, backend: str, mode: IndexMode) -> None:
+        """Precise <-> fell back, as the backend's event stream fails and recovers. Falling back
+        keeps what the events said (still the best guess) and learns from traffic on top."""
+        if (pool, backend) in self._indexes:
+            self._modes[(pool, backend)] = mode
+
+    def learns_from_traffic(self, pool: str, backend: str) -> bool:
+        """Whether the router should store what it sends this backend (not in precise mode,
+        where the engine's events say what it really kept)."""
+        return self._modes.get((pool, backend)) is not IndexMode.PRECISE
+
+    def forget(self, pool: str, backend: str) -> None:
+        """The backend restarted, was ejected or went down: what it held is gone or unknown."""
+        index = self._indexes.get((pool, backend))
+        if index is not None:
+            index.clear()
+
+    def retain(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Drop the indexes of backends no longer in the policy (after a reload)."""
+        keep = set(keys)
+        for key in [k for k in self._indexes if k not in keep]:
+            del self._indexes[key]
+            self._modes.pop(key, None)
+
+    def items(self) -> Iterable[tuple[tuple[str, str], PrefixIndex]]:
+        return self._indexes.items()
