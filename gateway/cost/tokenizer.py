@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as RustTokenizer
 
+from gateway.cost.blocks import BlockChains, Walk
 from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
 from gateway.cost.templates import (
@@ -78,6 +79,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def observe(self, chars: int, actual_tokens: int) -> float: ...
+
+
+_NO_IDS: array[int] = array("I")  # an empty piece's
 
 
 class _PieceCache:
@@ -172,6 +176,7 @@ class HFTokenizer:
         self._special_ids: dict[str, int] = {
             added.content: token_id for token_id, added in rust.get_added_tokens_decoder().items()}
         self.cache = _PieceCache(cache_chars)
+        self.chains = BlockChains()  # a prompt's block hashes per piece sequence (blocks.py)
 
     @property
     def has_chat_template(self) -> bool:
@@ -228,6 +233,37 @@ class HFTokenizer:
         """A completions prompt's ids, special-token additions included (as `count_text`).
         Not cached: the post-processor's additions depend on the whole text's position."""
         return list(self._rust.encode_batch_fast([text], add_special_tokens=True)[0].ids)
+
+    @property
+    def walkable(self) -> bool:
+        """Whether prompts are cut into pieces (at special tokens) for the block trie."""
+        return self._splitter is not None
+
+    def walk_chat(self, block_size: int, messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None = None,
+                  **template_kwargs: Any) -> Walk:
+        """Render, cut into pieces and follow the pieces the block trie knows (cheap: the
+        counter runs it on the loop); `Walk.finish` encodes and hashes the rest."""
+        assert self._splitter is not None, "walkable tokenizers only"
+        text = self.render_chat(messages, tools, **template_kwargs)
+        return self.chains.walk(self._splitter.split(text), self._special_ids, block_size,
+                                self.pieces_ids)
+
+    def pieces_ids(self, pieces: list[str]) -> list[array[int]]:
+        """Each text piece's ids through the piece cache; the missing ones encoded together."""
+        found: list[array[int] | None] = [self.cache.get_ids(p) if p else _NO_IDS
+                                          for p in pieces]
+        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found, strict=True)
+                                     if ids is None))
+        if missing:
+            encoded = {}
+            for piece, enc in zip(missing, self._rust.encode_batch_fast(
+                    missing, add_special_tokens=False), strict=True):
+                encoded[piece] = ids = array("I", enc.ids)
+                self.cache.put(piece, ids)
+            found = [encoded[p] if ids is None else ids
+                     for p, ids in zip(pieces, found, strict=True)]
+        return found  # type: ignore[return-value]  # no None is left
 
     def rendered_ids(self, text: str) -> array[int]:
         """Ids of already-rendered text, through the piece cache (ids kept per piece)."""

@@ -1,0 +1,175 @@
+"""A prompt's token count and block hashes through a trie of its rendered pieces.
+
+A conversation re-sends its whole history every turn. The piece cache (gateway/cost/tokenizer.py)
+spares re-encoding it, but hashing its ids again for prefix routing costs ~20 ns a token: 0.35 ms
+of a 16K-token history every turn, for blocks whose hashes were known the turn before. The
+rendered prompt is cut at the template's special tokens into pieces; a node here is the state
+after one piece of a piece sequence, keyed by its parent's key and the piece: the tokens so far,
+the hashes of the blocks that piece completed, and the ids left in the block it leaves open. A
+turn whose earlier pieces were seen walks their nodes (one str hash and one dict lookup a piece)
+and encodes and hashes only what is new. The result is exactly `block_hashes` of the whole
+prompt's ids (tests/test_block_chains.py holds it to that).
+
+`Walk` splits the work where it is cheapest: the walk over known pieces is Python and short, so
+the counter runs it on the event loop; what is left (encoding new pieces, hashing their blocks)
+runs inline when it is small and in a worker thread when it is not (gateway/cost/counter.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.prefix.hashing import ROOT_HASH
+
+# What the trie keeps: nodes and the block hashes in them (8 bytes each, so 1M blocks are 8 MB,
+# 16M tokens of history at 16 tokens a block).
+DEFAULT_MAX_NODES = 200_000
+DEFAULT_MAX_BLOCKS = 1_000_000
+
+PieceIds = Callable[[list[str]], list["array[int]"]]  # text pieces -> their ids, in order
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    tokens: int  # ids in the prompt up to the end of this piece
+    hashes: array[int]  # 'q': the hashes of the blocks completed within this piece
+    tail: array[int]  # 'I': the ids after the last full block
+    last: int  # the hash of the last full block so far (ROOT_HASH before the first)
+
+
+_ROOT = _Node(0, array("q"), array("I"), ROOT_HASH)
+
+
+class BlockChains:
+    """The trie, bounded LRU by nodes and by the block hashes they hold; thread-safe."""
+
+    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        self._max_nodes = max_nodes
+        self._max_blocks = max_blocks
+        self._blocks = 0
+        self._nodes: OrderedDict[int, _Node] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def walk(self, pieces: list[str], specials: dict[str, int], block_size: int,
+             piece_ids: PieceIds) -> Walk:
+        """Follow the known nodes from the prompt's start; the rest is left to `Walk.finish`.
+
+        `pieces` alternate text and special-token content, text first (the splitter's output);
+        `piece_ids` gives the ids of text pieces the trie does not know.
+        """
+        key = hash(("blocks", block_size))
+        node = _ROOT
+        done: list[array[int]] = []
+        i = 0
+        nodes = self._nodes
+        with self._lock:
+            while i < len(pieces):
+                piece = pieces[i]
+                step = hash((key, piece, len(piece)))
+                found = nodes.get(step)
+                if found is None:
+                    break
+                nodes.move_to_end(step)
+                done.append(found.hashes)
+                key, node = step, found
+                i += 1
+        return Walk(self, pieces, specials, block_size, piece_ids, i, key, node, done)
+
+    def _put(self, key: int, node: _Node) -> None:
+        with self._lock:
+            old = self._nodes.get(key)
+            if old is not None:
+                self._blocks -= len(old.hashes)
+            self._nodes[key] = node
+            self._nodes.move_to_end(key)
+            self._blocks += len(node.hashes)
+            while len(self._nodes) > self._max_nodes or self._blocks > self._max_blocks:
+                _, evicted = self._nodes.popitem(last=False)
+                self._blocks -= len(evicted.hashes)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._nodes.clear()
+            self._blocks = 0
+
+
+class Walk:
+    """A prompt's walk: the known part done, `left_chars` of text still to encode."""
+
+    __slots__ = (
+        "_at",
+        "_block_size",
+        "_chains",
+        "_done",
+        "_key",
+        "_node",
+        "_piece_ids",
+        "_pieces",
+        "_specials",
+        "left_chars",
+    )
+
+    def __init__(self, chains: BlockChains, pieces: list[str], specials: dict[str, int],
+                 block_size: int, piece_ids: PieceIds, at: int, key: int, node: _Node,
+                 done: list[array[int]]) -> None:
+        self._chains = chains
+        self._pieces = pieces
+        self._specials = specials
+        self._block_size = block_size
+        self._piece_ids = piece_ids
+        self._at = at
+        self._key = key
+        self._node = node
+        self._done = done
+        self.left_chars = sum(len(pieces[j]) for j in range(at, len(pieces)) if j % 2 == 0)
+
+    def finish(self) -> tuple[int, array[int]]:
+        """The prompt's token count and every full block's hash, learning the new pieces."""
+        pieces, at, bs = self._pieces, self._at, self._block_size
+        texts = [pieces[j] for j in range(at, len(pieces)) if j % 2 == 0]
+        encoded = iter(self._piece_ids(texts) if texts else ())
+        key, node = self._key, self._node
+        tokens, last = node.tokens, node.last
+        buf = array("I", node.tail)
+        out = array("q")
+        for part in self._done:
+            out.extend(part)
+        for j in range(at, len(pieces)):
+            piece = pieces[j]
+            if j % 2:
+                buf.append(self._specials[piece])
+                tokens += 1
+            else:
+                ids = next(encoded)
+                buf.extend(ids)
+                tokens += len(ids)
+            made = array("q")
+            pos = 0
+            while pos + bs <= len(buf):
+                last = hash((last, tuple(buf[pos:pos + bs])))
+                made.append(last)
+                pos += bs
+            if pos:
+                buf = buf[pos:]
+            out.extend(made)
+            key = hash((key, piece, len(piece)))
+            self._chains._put(key, _Node(tokens, made, array("I", buf), last))
+        return tokens, out
+
+
+def hashes_of(ids: Sequence[int], block_size: int) -> array[int]:
+    """`block_hashes` into an array, for prompts that are not cut into pieces."""
+    out = array("q")
+    last = ROOT_HASH
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        last = hash((last, tuple(ids[start:start + block_size])))
+        out.append(last)
+    return out
