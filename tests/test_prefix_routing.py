@@ -462,6 +462,7 @@ pools:
         ask = Ask("p", blocks=110, tokens=1800, prompt_tokens=1600, hashes=hashes,
                   hash_block=16)
         first = await adm.admit(ask)
+        await asyncio.sleep(0)  # its blocks are held once the loop turns (admission/prefixes)
         index = adm.prefix.indexes.get("p", first.backend.name)
         assert index is not None and len(index) == 0  # precise: nothing learnt from traffic
         view = adm.view(ask)
