@@ -9,6 +9,7 @@ taken back.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.llamacpp.server import SERVED_NAME, EngineShape, cached_binary
+from loadtest.llamacpp.server import (
+    SERVED_NAME,
+    BuildImpossible,
+    EngineShape,
+    cached_binary,
+    llama_server_binary,
+)
 from tests.conftest import StartGateway
 from tests.llamacpp import llama_server as llama_server  # the session fixture
 from tests.llamacpp import llamacpp_policy, run_llamacpp, start_llamacpp
@@ -258,3 +265,21 @@ def test_without_metrics_the_slots_still_bind(
         assert [r.status for r in replies] == [200] * 4
         assert sorted(r.headers["x-gateway-decision"] for r in replies).count("queued") >= 1
         quiet(gw.url)
+
+
+def test_a_machine_without_a_compiler_is_told_why(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the build is impossible the tool says what is missing (exit 2), which the suite
+    turns into a skip with that reason; nothing is downloaded."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("bash", "mkdir", "flock"):
+        found = shutil.which(name)
+        assert found is not None
+        (tools / name).symlink_to(found)
+    monkeypatch.setenv("PATH", str(tools))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    with pytest.raises(BuildImpossible, match="'cmake' is not installed"):
+        llama_server_binary()
+    assert cached_binary() is None
