@@ -216,7 +216,13 @@ VLLM_OLD_PAGE = engine_page([
 NO_KV_PAGE = engine_page([
     (f"vllm:{name}", "gauge", [({"model_name": "m"}, 0)])
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")])
-STATIC_ENGINES = {"sg-0": SGLANG_PAGE, "vllm-old-0": VLLM_OLD_PAGE, "no-kv-0": NO_KV_PAGE}
+# llama.cpp's server --metrics (tools/server/server-task.cpp, to_metrics): no KV series at all
+# (its slots come from /props), unlabelled gauges; not an engine without metrics.
+LLAMACPP_PAGE = engine_page([
+    (f"llamacpp:{name}", "gauge", [({}, value)]) for name, value in (
+        ("requests_processing", 3), ("requests_deferred", 0), ("n_busy_slots_per_decode", 2.5))])
+STATIC_ENGINES = {"sg-0": SGLANG_PAGE, "vllm-old-0": VLLM_OLD_PAGE, "no-kv-0": NO_KV_PAGE,
+                  "llama-0": LLAMACPP_PAGE}
 
 
 @contextlib.contextmanager
@@ -527,12 +533,12 @@ def test_dashboards_and_alerts_against_a_real_prometheus(
         assert not series(prom, alerts["GatewayPoolWithoutBackends"])
         assert not series(prom, alerts["GatewayReplicaDown"])
         # Only the engine without any KV-usage name: not SGLang's, not an old vLLM's (a
-        # vLLM-only rule matched both of them for ever).
+        # vLLM-only rule matched both of them for ever), not llama.cpp's (it has none).
         assert [r["metric"]["backend"] for r in series(prom, alerts["EngineMetricsMissing"])] \
             == ["no-kv-0"]
         vllm_only = 'up{job="engines"} == 1 unless on (pool, backend) vllm:kv_cache_usage_perc'
         assert sorted(r["metric"]["backend"] for r in series(prom, vllm_only)) \
-            == ["no-kv-0", "sg-0", "vllm-old-0"]
+            == ["llama-0", "no-kv-0", "sg-0", "vllm-old-0"]
         # The SLO alerts compare against the policy's targets: with the threshold at 0 they
         # match every pool that has a target and traffic, and only those (`long` has none).
         for name in ("GatewayTTFTOverSLO", "GatewayTPOTOverSLO"):

@@ -9,6 +9,7 @@ taken back.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.llamacpp.server import SERVED_NAME, EngineShape, cached_binary
+from loadtest.llamacpp.server import (
+    SERVED_NAME,
+    BuildImpossible,
+    EngineShape,
+    cached_binary,
+    llama_server_binary,
+)
 from tests.conftest import StartGateway
 from tests.llamacpp import llama_server as llama_server  # the session fixture
 from tests.llamacpp import llamacpp_policy, run_llamacpp, start_llamacpp
@@ -157,7 +164,7 @@ def test_more_requests_than_slots_wait_in_the_gateway_not_the_engine(
         with EngineWatch(engine.url) as direct, ThreadPoolExecutor(6) as pool:
             assert all(r.status == 200 for r in pool.map(lambda _: chat(engine.url, 400),
                                                          range(6)))
-        assert direct.deferred >= 1
+        assert direct.deferred >= 2
         with EngineWatch(engine.url) as watch, ThreadPoolExecutor(8) as pool:
             # Six at once on two slots: two run, four wait in the gateway's queue.
             replies = list(pool.map(lambda _: chat(gw.url, 48), range(6)))
@@ -178,9 +185,11 @@ def test_more_requests_than_slots_wait_in_the_gateway_not_the_engine(
             assert int(r.headers["retry-after"]) >= 1
             assert r.headers["x-gateway-reason"] in ("predicted_wait", "queue_timeout",
                                                     "kv_blocks"), r.headers
-        # The engine never held more than its slots and never deferred a request.
-        assert watch.processing <= 2 and watch.processing >= 1
-        assert watch.deferred == 0
+        # The engine never held more than its slots and deferred nothing, or one request for
+        # an instant: a slot the gateway has released that the engine has not yet (seen once
+        # in the benchmark, where a cut client's slot stays busy until llama.cpp notices).
+        assert 1 <= watch.processing <= 2
+        assert watch.deferred <= 1
         quiet(gw.url)
 
 
@@ -256,3 +265,21 @@ def test_without_metrics_the_slots_still_bind(
         assert [r.status for r in replies] == [200] * 4
         assert sorted(r.headers["x-gateway-decision"] for r in replies).count("queued") >= 1
         quiet(gw.url)
+
+
+def test_a_machine_without_a_compiler_is_told_why(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the build is impossible the tool says what is missing (exit 2), which the suite
+    turns into a skip with that reason; nothing is downloaded."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("bash", "mkdir", "flock"):
+        found = shutil.which(name)
+        assert found is not None
+        (tools / name).symlink_to(found)
+    monkeypatch.setenv("PATH", str(tools))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    with pytest.raises(BuildImpossible, match="'cmake' is not installed"):
+        llama_server_binary()
+    assert cached_binary() is None

@@ -203,6 +203,19 @@ def test_shipped_demo_policy_is_protected_from_the_first_minute() -> None:
     assert result.stdout.count("(planner: ") >= 4
 
 
+
+def test_check_names_a_llamacpp_pools_slots() -> None:
+    """A llama.cpp pool is held at its engines' slots, not by a KV budget: `gateway check` says
+    so, and warns only that no latency limit is learned yet."""
+    result = subprocess.run([*gateway_cmd("check"),
+                             str(ROOT / "policies" / "demo-llamacpp.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "slots: each engine takes as many requests as it has slots" in result.stdout
+    assert "KV reservations" not in result.stdout
+    assert "warning: no protection in force beyond the engines' slots and the queue " \
+        "deadline: run `loadtest calibrate`" in result.stderr
+
 # --- end to end: the issue's burst ----------------------------------------------------------
 
 DEMO_ENGINE = ("--model", "qwen2.5-72b", "--tp", "8", "--max-model-len", "32768")

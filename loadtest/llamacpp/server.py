@@ -29,6 +29,9 @@ def llama_server_binary(timeout_s: float = 3600.0) -> Path:
     given = os.environ.get("LLAMA_SERVER")
     if given:
         return Path(given)
+    if not TOOL.exists():  # an installed package without the checkout's tools/
+        raise BuildImpossible(f"{TOOL} is not in this installation: set LLAMA_SERVER to a "
+                              "llama-server binary, or run from a checkout")
     # The tool takes a lock, so a racing test session waits for one build, not two.
     done = subprocess.run([str(TOOL)], capture_output=True,
                           text=True, timeout=timeout_s, check=False)
@@ -46,6 +49,8 @@ def cached_binary() -> Path | None:
     given = os.environ.get("LLAMA_SERVER")
     if given:
         return Path(given)
+    if not TOOL.exists():
+        return None
     done = subprocess.run([str(TOOL), "--cached"], capture_output=True, text=True, timeout=60,
                           check=False)
     return Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
