@@ -158,7 +158,10 @@ class GatewayApp:
         heap.settle()
         gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
         if gc_every > 0:  # benchmarks: force full collections (sweeps) to measure their stall
-            self._tasks_debug = asyncio.create_task(_every(gc_every, heap.sweep), name="gc")
+            # Only while requests are open: an idle benchmark gateway beside the one measured
+            # (same CPU) would otherwise stall it with sweeps of its own heap.
+            self._tasks_debug = asyncio.create_task(
+                _every(gc_every, lambda: self._active and heap.sweep()), name="gc")
         keeper = asyncio.create_task(heap.run(), name="heap")
         log.info("gateway ready: %d pool(s), %d backend(s)", len(rt.backends.pools),
                  sum(1 for _ in rt.backends.all()))
