@@ -14,11 +14,12 @@ Workloads, each on fresh engines and a fresh gateway:
              trace's own times rescaled to RATE; prompts as in the trace (capped to 30K),
              outputs capped to OUTPUT_CAP tokens. (d) is not run: the trace names no session.
   multiturn  part A's multi-turn synthetic (`loadtest run --multiturn`), agent-like: a shared
-             system prompt, turns THINK_S (real) apart, histories growing to ~13K tokens;
+             system prompt, turns THINK_S (real) apart, histories growing to 12.8K tokens;
              each conversation's `x-session-id`. At its own times (open loop).
   unique     no shared prefixes at all (random prompts), (a) against (b) only.
 Prompts go as token ids to /v1/completions, so the gateway, the engines and the offline
-replay below see exactly the same ids.
+replay below see exactly the same ids. Admission's limits are set out of the way (KV
+reservations stay), so every configuration sends the engines every request.
 
 Figures per run: the engines' own prefix hit rate (hit / queried tokens, from their
 /admin/state, as vllm:prefix_cache_hits / _queries count), the gateway's predicted hit rate
@@ -87,11 +88,11 @@ class Shape:
     unique_s: float
 
 
-FULL = Shape(mooncake_groups=36, mooncake_rate=0.7, conversations=20, turns=6, start_rate=0.6,
-             unique_rate=2.0, unique_s=35)
+FULL = Shape(mooncake_groups=30, mooncake_rate=0.7, conversations=20, turns=6, start_rate=1.0,
+             unique_rate=1.5, unique_s=30)
 QUICK = Shape(mooncake_groups=16, mooncake_rate=1.0, conversations=6, turns=4, start_rate=1.0,
               unique_rate=2.0, unique_s=10)
-THINK_S = 1.5               # real seconds between turns
+THINK_S = 1.0               # real seconds between turns
 # An agent's loop: a shared system prompt, then each turn the last answer, a tool's result
 # and the next step (whole 512-token blocks); histories grow to ~12.8K tokens in 6 turns.
 SYSTEM_TOKENS, TURN_TOKENS = 512, 2048
@@ -550,9 +551,11 @@ def verdicts(runs: dict[tuple[str, str], Run]) -> list[tuple[str, bool | None, s
                     f"{gc:.2f} vs {ga:.2f} req/s = {ratio(gc, ga):.2f}x ((a) served "
                     f"{sat:.2f} req/s of what the conversations asked; its rejections: "
                     f"{a.report['rejected']})"))
-    worst = max((r.imbalance or 0 for r in runs.values()), default=0)
-    out.append(("max/mean in-flight KV per engine <= 1.5 (every run)", worst <= 1.5,
-                f"worst {worst:.2f}"))
+    # The goal is that routing by prefix keeps load balanced; (a)'s is printed beside.
+    worst = max((r.imbalance or 0 for r in runs.values() if r.config != "a"), default=0)
+    today = max((r.imbalance or 0 for r in runs.values() if r.config == "a"), default=0)
+    out.append(("max/mean in-flight KV per engine <= 1.5 under (b), (c), (d)", worst <= 1.5,
+                f"worst {worst:.2f} ((a), today's: worst {today:.2f})"))
     gaps = []
     for r in runs.values():
         if r.config in ("b", "c"):
