@@ -20,10 +20,10 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.prefix.hashing import ROOT_HASH
+from gateway.prefix.hashing import ROOT_HASH, block_hashes
 
 # What the trie keeps: nodes and the block hashes in them (8 bytes each, so 1M blocks are 8 MB,
 # 16M tokens of history at 16 tokens a block).
@@ -151,25 +151,12 @@ class Walk:
                 ids = next(encoded)
                 buf.extend(ids)
                 tokens += len(ids)
-            made = array("q")
-            pos = 0
-            while pos + bs <= len(buf):
-                last = hash((last, tuple(buf[pos:pos + bs])))
-                made.append(last)
-                pos += bs
-            if pos:
-                buf = buf[pos:]
+            made = array("q", block_hashes(buf, bs, last))
+            if made:
+                last = made[-1]
+                buf = buf[len(made) * bs:]
             out.extend(made)
             key = hash((key, piece, len(piece)))
             self._chains._put(key, _Node(tokens, made, array("I", buf), last))
         return tokens, out
 
-
-def hashes_of(ids: Sequence[int], block_size: int) -> array[int]:
-    """`block_hashes` into an array, for prompts that are not cut into pieces."""
-    out = array("q")
-    last = ROOT_HASH
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        last = hash((last, tuple(ids[start:start + block_size])))
-        out.append(last)
-    return out
