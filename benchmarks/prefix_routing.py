@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -47,7 +46,7 @@ import threading
 import time
 import urllib.request
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.prefix import block_hashes  # noqa: E402  (after the path fix)
+from benchmarks.admission_goodput import processes  # noqa: E402  (after the path fix)
+from gateway.prefix import block_hashes  # noqa: E402
 from loadtest.client import RequestSpec, StreamClient, completion_request  # noqa: E402
 from loadtest.report import Sample, figures  # noqa: E402
 from loadtest.sim.config import SimConfig  # noqa: E402
@@ -254,40 +254,6 @@ def _get(url: str, timeout: float = 5) -> bytes:
         return resp.read()  # type: ignore[no-any-return]
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited {proc.returncode}")
-        try:
-            _get(url, 1)
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-@contextlib.contextmanager
-def started(cmds: list[tuple[list[str], str]], logdir: Path) -> Iterator[None]:
-    """Start all, then wait for all (engines start in parallel)."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i, (cmd, _) in enumerate(cmds):
-            log = open(logdir / f"{time.monotonic_ns()}-{i}.log", "wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        for (_, health), proc in zip(cmds, procs, strict=True):
-            _wait(health, proc)
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 @dataclass
 class Engine:
     url: str
@@ -475,7 +441,7 @@ class Run:
 def run_one(config: str, mode: str, work: Workload, tmp: Path, capacity: int) -> Run:
     engines, cmds = engine_cmds()
     gw_url, gw_cmd = gateway_cmd(policy(engines, mode), tmp)
-    with started([*cmds, gw_cmd], tmp):
+    with processes([*cmds, gw_cmd], tmp, timeout=90):
         if mode == "precise":
             time.sleep(1.0)  # the subscriptions reach the engines' PUB sockets
         with Usage(engines) as usage:
