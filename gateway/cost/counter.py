@@ -51,8 +51,9 @@ LONG_PROMPT_CHARS = 32_768
 # loop the worker's answer also waits its turn behind the streams' events.
 DEFAULT_INLINE_PROMPT_CHARS = 512
 # Up to here a chat prompt is rendered and cut on the loop when its blocks are hashed, so a
-# history seen before costs no thread hop (gateway/cost/blocks.py); ~0.3 ms at this size when
-# nothing was seen, against the tens of milliseconds of encoding that then go to a worker.
+# history seen before costs no thread hop (gateway/cost/blocks.py). Measured here for one new
+# message of this size: 0.06 ms on the loop, against the tens of milliseconds of encoding
+# that go to a worker; a history of many messages adds the template's render (~6 us each).
 WALK_ON_LOOP_CHARS = 131_072
 
 
