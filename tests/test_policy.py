@@ -76,6 +76,10 @@ def test_good_policy_summary(tmp_path: Path) -> None:
      "pools.default.admission.prefill_tokens_max", "greater than 0"),
     (("  default:\n    models", "  default:\n    engine: tgi\n    models"),
      "pools.default.engine", "'vllm', 'sglang', 'llamacpp' or 'openai'"),
+    (("pools:\n", "server: {gc_freeze_interval_s: -1}\npools:\n"),
+     "server.gc_freeze_interval_s", "greater than or equal to 0"),
+    (("pools:\n", "server: {gc_sweep_interval_s: 0}\npools:\n"),
+     "server.gc_sweep_interval_s", "greater than 0"),
 ])
 def test_bad_policy_names_path_and_rule(tmp_path: Path, edit: tuple[str, str], path: str,
                                         expected: str) -> None:
