@@ -46,7 +46,7 @@ from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUn
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 from gateway.prefix import PrefixIndexes
-from gateway.routing import prefix_order, prefix_scores
+from gateway.routing import prefix_scores
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, StreamProgress
@@ -183,7 +183,7 @@ class Admission:
                 "available": bv.available, "capacity_blocks": ps.capacity[b.name],
                 "limit_blocks": bv.limit_blocks, "reserved_blocks": bv.reserved_blocks,
                 "prefill_pending_tokens": ps.prefill.get(b.name, 0),
-                "engine": None if sample is None else _engine_view(sample, now),
+                "engine": None if sample is None else sample.public(now),
                 "slot_blocks": bv.slot_blocks,
                 "engine_rules_out": self.capacity.engine_full(ps, b.name),
                 "rules_out": bv.ruled_out,
@@ -221,7 +221,7 @@ class Admission:
         view = self.view(ask)
         d = decide(view, _ask_view(ask))
         if view.prefix is not None and not view.prefix.act and d.backend is not None:
-            self._shadow_prefix(view, ask, d.backend)
+            self.prefix.shadow(view, ask, d.backend)
         while d.action == "admit":
             ticket, reason = await self._act(ps, ask, d)
             if ticket is not None:
@@ -275,16 +275,6 @@ class Admission:
             if ticket is not None:
                 return ticket
             refused[placed.backend] = reason or "kv_blocks"
-
-    def _shadow_prefix(self, view: PoolView, ask: Ask, chosen: str) -> None:
-        """routing.prefix.mode shadow: count whether the prefix router would have agreed."""
-        available = [b for b in view.backends if b.available]
-        would = prefix_order(available, view.prefix, ask.tokens, ask.prompt_tokens) \
-            if view.prefix is not None else available
-        if would:
-            m = self.metrics.prefix
-            m.shadow.labels(view.name, str(would[0].name == chosen).lower()).inc()
-            m.shadow_cached.labels(view.name).inc(would[0].cached_tokens)
 
     def _backend(self, ps: PoolState, name: str) -> Backend:
         return next(b for b in self.backends.pools[ps.name] if b.name == name)
@@ -494,14 +484,3 @@ def _ask_view(ask: Ask) -> AskView:
 def _no_backend(pool: str) -> NoBackendAvailable:
     return NoBackendAvailable(f"No healthy backend in pool `{pool}`.", retry_after_s=1)
 
-
-def _engine_view(sample: EngineSample, now: float) -> dict[str, object]:
-    """What /gateway/estimate shows of an engine's last report."""
-    out: dict[str, object] = {"kv_usage": sample.kv_usage, "waiting": sample.waiting,
-                              "running": sample.running, "age_s": round(now - sample.at, 3)}
-    if sample.slots is not None:  # llama.cpp: its slots and its own counters
-        out.update(slots=sample.slots, slot_tokens=sample.slot_tokens,
-                   busy_slots_per_decode=sample.busy_slots_per_decode,
-                   prompt_tokens_total=sample.prompt_tokens_total,
-                   predicted_tokens_total=sample.predicted_tokens_total)
-    return out

@@ -19,11 +19,12 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from gateway.admission.decision import PoolView
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import PoolSpec
 from gateway.prefix import IndexMode, PrefixIndex, PrefixIndexes
-from gateway.routing import PrefixRule
+from gateway.routing import PrefixRule, prefix_order
 from gateway.signals.engines import EngineSample
 
 # A ticket's `held` while its blocks wait to be held (a distinct empty object, unlike ()).
@@ -157,6 +158,15 @@ class PrefixPlacement:
         m.prompt_tokens.labels(pool, name).inc(prompt_tokens)
         m.predicted_cached.labels(pool, name).inc(ticket.cached_tokens)
         m.engine_cached.labels(pool, name).inc(engine_cached or 0)
+
+    def shadow(self, view: PoolView, ask: Ask, chosen: str) -> None:
+        """routing.prefix.mode shadow: count whether the prefix router would have agreed."""
+        available = [b for b in view.backends if b.available]
+        would = prefix_order(available, view.prefix, ask.tokens, ask.prompt_tokens) \
+            if view.prefix is not None else available
+        if would:
+            self.metrics.shadow.labels(view.name, str(would[0].name == chosen).lower()).inc()
+            self.metrics.shadow_cached.labels(view.name).inc(would[0].cached_tokens)
 
     def released(self, ticket: Ticket) -> None:
         if ticket.held is _PENDING:

@@ -16,20 +16,21 @@ from __future__ import annotations
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway import profiles
 from gateway.cost.templates import BUILTIN_TEMPLATES
+from gateway.policy.base import (
+    NAME_RE,
+    Name,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Strict,
+)
+from gateway.policy.prefix import KvEventsSpec, RoutingSpec
 
-NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
-Name = Annotated[str, Field(pattern=NAME_RE, max_length=64)]
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+__all__ = ["NAME_RE"]  # for callers that take the name rule from here, as before
 
 class Architecture(Strict):
     """A profile from gateway/profiles.py, optionally with numbers overridden, or all numbers."""
@@ -120,30 +121,6 @@ class ModelSpec(Strict):
         return self.served_name or self.name
 
 
-class KvEventsSpec(Strict):
-    """Where an engine publishes its KV cache events (vLLM `--kv-events-config`: a ZMQ PUB
-    `endpoint`, a ROUTER `replay_endpoint` for missed sequence numbers, and a `topic`)."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-    @field_validator("endpoint", "replay_endpoint")
-    @classmethod
-    def _zmq(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        scheme, sep, rest = value.partition("://")
-        if not sep or not rest or scheme not in ("tcp", "ipc"):
-            raise ValueError(f"expected a ZMQ endpoint like tcp://host:port or ipc://path, "
-                             f"got {value!r}")
-        if scheme == "tcp":
-            port = rest.rpartition(":")[2]
-            if ":" not in rest or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"expected tcp://host:port with a port, got {value!r}")
-        return value
-
-
 class BackendSpec(Strict):
     name: Name
     url: str
@@ -210,9 +187,6 @@ class AdmissionSpec(Strict):
     learned: Learned | None = None
 
 
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-
-
 class PricingSpec(Strict):
     """What a pool's GPUs cost per hour, and how to split it between input and output tokens.
 
@@ -238,45 +212,6 @@ class PricingSpec(Strict):
     def price_per_gpu_hour(self) -> float:
         return self.gpu_hour if self.gpu_hour is not None \
             else sum((self.per_gpu_hour or {}).values())
-
-
-class PrefixRoutingSpec(Strict):
-    """Prefix-cache-aware choice of backend within a pool (gateway/routing.py `prefix_order`).
-
-    Each backend is scored by the share of the prompt it would serve from its prefix cache
-    against its load; no backend is preferred while it holds more than (1 + imbalance_epsilon)
-    x the mean in-flight tokens and another holds less.
-    """
-
-    # off: most KV headroom first (as before). approximate: the index learnt from what this
-    # gateway sent. precise: the engines' KV cache events where a backend has `kv_events`.
-    # shadow: approximate evaluated and counted, placement as with off. session: affinity by
-    # session only (consistent hashing), no prefix index.
-    mode: Literal["off", "approximate", "precise", "shadow", "session"] = "approximate"
-    cache_weight: NonNegativeFloat = 1.0  # x the share of the prompt cached there
-    # The load terms are small: they choose among backends that hold alike; balance is the
-    # bound's job (cache match while balanced, load past the bound: SGLang's cache-aware rule).
-    kv_weight: NonNegativeFloat = 0.1  # x the share of its KV limit reserved
-    prefill_weight: NonNegativeFloat = 0.1  # x its prefill backlog, as a share of the pool's
-    imbalance_epsilon: NonNegativeFloat = 0.1
-    # ... or by more than this many tokens over the mean, whichever is more: at low load a
-    # relative bound alone would split every conversation (SGLang's balance_abs_threshold).
-    imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 8192
-    # Where no backend holds any of the prompt: the backend the session's hash picks
-    # (header x-session-id, else the request's `user` field), within the same bound.
-    session_affinity: bool = True
-    # The approximate index's capacity per backend, in blocks; unset: the backend's KV blocks.
-    capacity_blocks: PositiveInt | None = None
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _off(cls, value: object) -> object:
-        # YAML 1.1 reads a bare `off` as false: take it as the word it was meant as.
-        return "off" if value is False else value
-
-
-class RoutingSpec(Strict):
-    prefix: PrefixRoutingSpec = PrefixRoutingSpec()
 
 
 class PoolSpec(Strict):
@@ -391,7 +326,7 @@ class TenantSpec(Strict):
     """A caller: its keys (as SHA-256 hex, never in plain text), priority and quotas."""
 
     name: Name
-    api_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = []
+    api_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = Field(default_factory=list)
     priority: Priority = "standard"  # its default and highest class (x-priority may lower it)
     tokens_per_minute: PositiveInt | None = None
     tokens_per_day: PositiveInt | None = None
@@ -403,7 +338,8 @@ class TenantSpec(Strict):
 class AuthSpec(Strict):
     require_keys: bool = False  # false: callers without a known key are `anonymous_tenant`
     anonymous_tenant: Name = "anonymous"
-    admin_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = []  # SHA-256 hex
+    admin_keys: list[Annotated[str, Field(pattern=SHA256_RE)]] = Field(
+        default_factory=list)  # SHA-256 hex
     # Key sent to engines when a backend names no api_key_env of its own.
     upstream_api_key_env: str | None = None
     # Who may read /metrics (it names tenants, their quotas and usage): anyone, callers with
@@ -451,7 +387,7 @@ class Policy(Strict):
     signals: SignalsSpec = SignalsSpec()
     state: StateSpec = StateSpec()
     auth: AuthSpec = AuthSpec()
-    tenants: list[TenantSpec] = []
+    tenants: list[TenantSpec] = Field(default_factory=list)
 
     def rule_errors(self) -> list[tuple[str, str]]:
         """Rules across keys, as (path, message); pydantic checks each key on its own."""

@@ -111,6 +111,17 @@ class EngineSample:
     prefix_hits: float | None = None
     cache_hit_rate: float | None = None
 
+    def public(self, now: float) -> dict[str, object]:
+        """What /gateway/estimate shows of this report."""
+        out: dict[str, object] = {"kv_usage": self.kv_usage, "waiting": self.waiting,
+                                  "running": self.running, "age_s": round(now - self.at, 3)}
+        if self.slots is not None:  # llama.cpp: its slots and its own counters
+            out.update(slots=self.slots, slot_tokens=self.slot_tokens,
+                       busy_slots_per_decode=self.busy_slots_per_decode,
+                       prompt_tokens_total=self.prompt_tokens_total,
+                       predicted_tokens_total=self.predicted_tokens_total)
+        return out
+
 
 def _series(line: str, start: int) -> Series | None:
     """Labels and value of one exposition line whose metric name ends at `start`."""
