@@ -10,12 +10,15 @@ every plot decoded; its `--screenshot` must show the plots, not a blank page.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,12 +54,42 @@ def chromium() -> str:
 
 
 @contextmanager
+def _profile() -> Iterator[str]:
+    """A profile directory for one Chromium, removed once every process of it is gone.
+
+    Chromium runs as a process group (browser, renderers, GPU and crashpad helpers); killing
+    only the browser left a helper writing into the profile while it was being removed
+    ("Directory not empty: 'Default'", seen in a clean-clone run). So each Chromium is
+    started in a session of its own and the whole group is killed before the removal.
+    """
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    try:
+        yield profile
+    finally:
+        for attempt in range(20):  # a helper killed a moment ago may still hold a file open
+            try:
+                shutil.rmtree(profile)
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.1)
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@contextmanager
 def browser(binary: str) -> Iterator[str]:
     """A headless Chromium with a DevTools port; yields the port's base URL."""
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    with _profile() as profile:
         proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}",
                                  "--remote-debugging-port=0", "about:blank"],
-                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                start_new_session=True)
         try:
             assert proc.stderr is not None
             for raw in proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/..."
@@ -67,8 +100,7 @@ def browser(binary: str) -> Iterator[str]:
                 raise AssertionError("chromium exited before opening its DevTools port")
             yield f"http://{m.group(1).decode()}"
         finally:
-            proc.kill()
-            proc.wait(10)
+            _kill_group(proc)
 
 
 async def open_page(devtools: str, url: str) -> dict[str, Any]:
@@ -129,11 +161,16 @@ async def open_page(devtools: str, url: str) -> dict[str, Any]:
 
 
 def screenshot(binary: str, url: str, out: Path) -> None:
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
-        done = subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}",
-                               "--window-size=1280,2400", f"--screenshot={out}", url],
-                              capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and out.exists(), done.stderr[-2000:]
+    with _profile() as profile:
+        proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}",
+                                 "--window-size=1280,2400", f"--screenshot={out}", url],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            _kill_group(proc)  # the helpers it leaves behind, too
+    assert proc.returncode == 0 and out.exists(), stderr[-2000:]
 
 
 def not_blank(png: Path) -> tuple[float, int]:
