@@ -269,10 +269,12 @@ class GatewayApp:
         out: dict[str, TokenCounter] = {}
         for m in policy.models:
             spec, counter = self._counters.get(m.name, (None, None))
-            # A new chat template is a new count too.
+            # A new chat template is a new count too; a new encoder the same count, made anew.
             if counter is None or spec != m.tokenizer \
-                    or getattr(counter.tokenizer, "chat_template_spec", None) != m.chat_template:
-                counter = TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template),
+                    or getattr(counter.tokenizer, "chat_template_spec", None) != m.chat_template \
+                    or getattr(counter.tokenizer, "encoder", "auto") != m.encoder:
+                counter = TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template,
+                                                      encoder=m.encoder),
                                        policy.server.max_prompt_chars)
                 self._counters[m.name] = (m.tokenizer, counter)
             counter.max_prompt_chars = policy.server.max_prompt_chars

