@@ -75,6 +75,7 @@ POLICY = """\
 models:
   - name: {model}
     tokenizer: {tokenizer}
+    encoder: {encoder}
 {architecture}pools:
   default:
     engine: openai
@@ -861,7 +862,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shipped (exact tokenizer and template, admission, access log), "
                         "shipped-nostages (the same without the stage histogram), "
                         "shipped-noinline (every prompt counted in a worker thread), "
-                        "shipped-nofreeze (Python's own GC thresholds, no heap keeper), aiohttp, "
+                        "shipped-nofreeze (Python's own GC thresholds, no heap keeper), "
+                        "shipped-hf (the Hugging Face encoder, not the rank encoder), "
+                        "shipped-inline8k (prompts under 8,192 characters counted on the loop), "
+                        "aiohttp, "
                         "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
@@ -935,11 +939,14 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages, inline, freeze in (
-                ("floor", FLOOR, "true", 512, 0.1), ("shipped", SHIPPED, "true", 512, 0.1),
-                ("shipped-nostages", SHIPPED, "false", 512, 0.1),
-                ("shipped-noinline", SHIPPED, "true", 0, 0.1),
-                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0)):
+        for kind, fields, stages, inline, freeze, encoder in (
+                ("floor", FLOOR, "true", 512, 0.1, "auto"),
+                ("shipped", SHIPPED, "true", 512, 0.1, "auto"),
+                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto"),
+                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto"),
+                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto"),
+                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface"),
+                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto")):
             policies[kind] = work / f"policy-{kind}.yaml"
             # The SLO the planner derives the latency guard from: the default 60 ms per token,
             # or twice the stub's token interval when --itl-ms is longer, so the guard does
@@ -947,7 +954,8 @@ def main(argv: list[str] | None = None) -> int:
             tpot = max(0.06, 2 * args.itl_ms / 1e3)
             policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url, tpot=tpot,
                                                     stages=stages, inline=inline,
-                                                    freeze=freeze, **fields))
+                                                    freeze=freeze, encoder=encoder,
+                                                    **fields))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
@@ -957,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
 
         start_gc_gateway = None
         for name in wanted:
-            if name in ("shipped", "shipped-nostages", "shipped-noinline", "shipped-nofreeze"):
+            if name in ("shipped", "shipped-nostages", "shipped-noinline", "shipped-nofreeze",
+                        "shipped-hf", "shipped-inline8k"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
             elif name == "gateway":

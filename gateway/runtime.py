@@ -77,6 +77,7 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
            for m in policy.models}
     for counter in out.values():
         counter.inline_chars = policy.server.inline_tokenize_chars
+        counter.warm()
     return out
 
 

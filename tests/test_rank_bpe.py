@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.cost import rankbpe
+from gateway.cost import TokenCounter, rankbpe
+from gateway.cost.counter import RANK_INLINE_FACTOR
 from gateway.cost.tokenizer import CANARY_EVERY, HFTokenizer, load_tokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
@@ -152,3 +154,20 @@ def test_policy_encoder_key() -> None:
     with pytest.raises(PolicyError) as err:
         parse_policy(base.format(value="fast"))
     assert "encoder" in err.value.render()
+
+
+@pytest.mark.anyio
+async def test_rank_encoder_counts_longer_prompts_on_the_loop(
+        pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    """Below 16x `inline_tokenize_chars` the rank encoder counts on the loop; the Hugging Face
+    encoder only below 1x. A shut-down executor shows which: a hop to it raises."""
+    fast, slow = pair
+    dead = ThreadPoolExecutor(max_workers=1)
+    dead.shutdown()
+    messages = [{"role": "user", "content": "word " * 1200}]  # 6,000 characters
+    expected = _fresh(slow).count_chat(messages)
+    counter = TokenCounter(_fresh(fast), executor=dead)
+    assert counter.inline_chars * RANK_INLINE_FACTOR > 6000
+    assert await counter.count_chat(messages) == expected
+    with pytest.raises(RuntimeError, match="shutdown"):
+        await TokenCounter(_fresh(slow), executor=dead).count_chat(messages)

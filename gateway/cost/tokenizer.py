@@ -381,7 +381,7 @@ class HFTokenizer:
         if self.rank_bpe is not None:
             return [len(ids) for ids in self._encode(texts)]
         if self._splitter is not None:
-            self._start_rank_bpe()
+            self.start_rank_bpe()
         # encode_batch_fast releases the GIL for the whole Rust call and skips offsets; the
         # single-text `encode` holds the GIL, which would stall the event loop thread. len() of
         # an Encoding avoids building a Python list of every id.
@@ -393,7 +393,7 @@ class HFTokenizer:
         rank = self.rank_bpe
         if rank is None:
             if self._splitter is not None:
-                self._start_rank_bpe()
+                self.start_rank_bpe()
             return [e.ids for e in self._rust.encode_batch_fast(texts,
                                                                 add_special_tokens=False)]
         out: list[Sequence[int] | None] = []
@@ -427,7 +427,8 @@ class HFTokenizer:
                       len(text))
             ids[0] = want
 
-    def _start_rank_bpe(self) -> None:
+    def start_rank_bpe(self) -> None:
+        """Build the rank encoder in its own thread, once (the gateway calls this at start)."""
         with self._rank_lock:
             if self._rank_started:
                 return
@@ -452,7 +453,7 @@ class HFTokenizer:
 
     def wait_rank_bpe(self, timeout_s: float = 30.0) -> bool:
         """Start the rank encoder's build and wait for it; True when it is in use."""
-        self._start_rank_bpe()
+        self.start_rank_bpe()
         self.rank_bpe_done.wait(timeout_s)
         return self.rank_bpe is not None
 

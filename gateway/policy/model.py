@@ -312,7 +312,8 @@ class ServerSpec(Strict):
     # request; off only to measure what they cost).
     stage_metrics: bool = True
     # Prompts shorter than this (characters) are counted on the event loop, not in a worker
-    # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 0: never.
+    # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 16x
+    # this while the rank encoder counts (gateway/cost/rankbpe.py); 0: never.
     inline_tokenize_chars: Annotated[int, Field(ge=0)] = 512
     # Garbage collection (gateway/serving/heap.py): every this many seconds what survived is
     # frozen out of later collections (0: off, Python's own thresholds over the whole heap);
