@@ -197,6 +197,11 @@ class GatewayApp:
             rt.admission.on_engine_sample(pool, name, sample)
         return rt
 
+    def _show_encoders(self, rt: Runtime) -> None:
+        gauge = self.metrics.tokenizer_rank_encoder
+        for model, counter in rt.counters.items():
+            gauge.labels(model).set(getattr(counter.tokenizer, "rank_bpe", None) is not None)
+
     def _install(self, rt: Runtime, old: Runtime | None) -> None:
         assert self._session is not None
         old_tasks = self._tasks
@@ -208,6 +213,7 @@ class GatewayApp:
             asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),
             asyncio.create_task(rt.admission.run(), name="admission"),
             asyncio.create_task(_every(5.0, rt.accountant.update), name="accounting"),
+            asyncio.create_task(_every(5.0, lambda: self._show_encoders(rt)), name="encoders"),
             asyncio.create_task(rt.scraper.run(self._session, _targets(rt),
                                                sig.scrape_interval_s, sig.scrape_timeout_s,
                                                rt.admission.on_engine_sample),
@@ -217,6 +223,7 @@ class GatewayApp:
         self.precise = PreciseEvents(rt.policy, rt.prefix, rt.backends.all(),
                                      self.metrics.kv_events.bind)
         self._tasks += self.precise.start()
+        self._show_encoders(rt)
         for task in old_tasks:
             if task.get_name() == "admission" and old is not None:
                 # Retired once the last request admitted through it is done.

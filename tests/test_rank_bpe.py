@@ -19,6 +19,8 @@ from gateway.cost.counter import RANK_INLINE_FACTOR
 from gateway.cost.tokenizer import CANARY_EVERY, HFTokenizer, load_tokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
+from tests.conftest import StartGateway, StartSim, policy_yaml
+from tests.servers import openai_client, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,3 +173,24 @@ async def test_rank_encoder_counts_longer_prompts_on_the_loop(
     assert await counter.count_chat(messages) == expected
     with pytest.raises(RuntimeError, match="shutdown"):
         await TokenCounter(_fresh(slow), executor=dead).count_chat(messages)
+
+
+def test_gateway_counts_with_the_rank_encoder_and_says_so(
+        start_sim: StartSim, start_gateway: StartGateway,
+        pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    """A gateway process builds the rank encoder at start, exports that it counts with it, and
+    its counts are the Hugging Face encoder's (computed here) and the engine's."""
+    _, slow = pair
+    messages = [{"role": "system", "content": "Réponds en français\uff0c请用中文。"},
+                {"role": "user", "content": "Request 1. " + " ".join(
+                    f"w{i} item" for i in range(1500))},
+                {"role": "assistant", "content": "  d'accord\n\n\tok 😀👍🏽"},
+                {"role": "user", "content": "and then?"}]
+    with start_sim() as sim, start_gateway(policy_yaml([sim.url])) as gw:
+        settled(gw.url, "gateway_tokenizer_rank_encoder", 1, timeout=20, model="test-model")
+        raw = openai_client(gw.url).chat.completions.with_raw_response.create(
+            model="test-model", max_tokens=2, messages=messages)  # type: ignore[arg-type]
+        done = raw.parse()
+        assert done.usage is not None
+        assert int(raw.headers["x-gateway-prompt-tokens"]) == _fresh(slow).count_chat(messages)
+        assert done.usage.prompt_tokens == _fresh(slow).count_chat(messages)

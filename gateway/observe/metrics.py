@@ -123,6 +123,13 @@ class GatewayMetrics:
             "gateway_gc_frozen_objects",
             "Objects in the permanent generation, which collections do not traverse.",
             registry=r, multiprocess_mode="livesum")
+        # Which encoder counts each model's prompts (gateway/cost/rankbpe.py): 0 where the rank
+        # encoder does not apply, is still being built, or its canary found a difference.
+        self.tokenizer_rank_encoder = Gauge(
+            "gateway_tokenizer_rank_encoder",
+            "1 while the model's prompts are counted by the rank encoder (tiktoken's core, the "
+            "Hugging Face encoder's ids), 0 while by the Hugging Face encoder.",
+            ["model"], registry=r, multiprocess_mode="livemin")
         # (generation, seconds, collected) of collections not yet observed; bounded, should
         # no tick come
         self._gc_pauses: deque[tuple[int, float, int]] = deque(maxlen=4096)
