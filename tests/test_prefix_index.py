@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 from gateway.prefix import ROOT_HASH, IndexMode, PrefixIndex, PrefixIndexes, block_hashes
 from gateway.prefix.hashing import chain_hash
@@ -23,6 +24,20 @@ def test_hashes_chain_per_full_block_only() -> None:
     other = [*ids[:20], 999, *ids[21:]]
     h2 = block_hashes(other, 16)
     assert h2[0] == hashes[0] and h2[1] != hashes[1] and h2[2] != hashes[2]
+
+
+def test_hashes_are_the_chain_definition_for_every_sequence_kind() -> None:
+    """The fast loop gives hash((parent, tuple(block))) per full block, from any sequence."""
+    rng = random.Random(3)
+    for n in (0, 1, 15, 16, 17, 47, 48, 1000):
+        ids = [rng.randrange(150_000) for _ in range(n)]
+        for block_size in (1, 16, 32):
+            want, parent = [], 12345
+            for start in range(0, n - block_size + 1, block_size):
+                parent = hash((parent, tuple(ids[start:start + block_size])))
+                want.append(parent)
+            for kind in (list, tuple, lambda x: array("I", x), lambda x: array("q", x)):
+                assert block_hashes(kind(ids), block_size, seed=12345) == want
 
 
 def test_hashing_agrees_with_the_simulator() -> None:

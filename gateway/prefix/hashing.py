@@ -14,15 +14,14 @@ hashes its blocks with it too (loadtest/sim/prompts.py), so a test can compare t
 The function is Python's hash of the tuple (parent, block ids). For a tuple of ints it does not
 depend on PYTHONHASHSEED (only str and bytes hashes are salted), so every process and every
 gateway replica computes the same values; it costs ~20 ns a token (0.3 ms for 16K tokens,
-measured here), under half of blake2b's cost. It is not collision resistant against a client
-who crafts token ids to collide with another prompt: the worst such a client can do is be
-routed as if its prompt were cached somewhere, which costs it a prefill and nobody else
-anything (the engine's own cache is keyed by the engine's own hash).
+measured on issue 19's machine), under half of blake2b's cost. It is not collision resistant
+against a client who crafts token ids to collide with another prompt: the worst such a client
+can do is be routed as if its prompt were cached somewhere, which costs it a prefill and
+nobody else anything (the engine's own cache is keyed by the engine's own hash).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 # The parent of a prompt's first block. vLLM seeds its chain with a random (or
@@ -45,9 +44,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int = ROOT_HAS
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     out: list[int] = []
+    append = out.append
     parent = seed
-    ids = token_ids if isinstance(token_ids, (list, tuple, array)) else list(token_ids)
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(ids[start:start + block_size])))
-        out.append(parent)
+    # zip over one iterator repeated block_size times yields each full block as a tuple,
+    # dropping the partial last one, without a slice or a tuple() call a block: 1.7x faster
+    # from an array and 3.3x from a list than slicing (16K ids: 0.81 and 0.42 against 1.40 and
+    # 0.70 ms on a busy machine). The values are the same: hash((parent, block ids)).
+    for block in zip(*[iter(token_ids)] * block_size, strict=False):
+        parent = hash((parent, block))
+        append(parent)
     return out
