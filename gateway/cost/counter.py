@@ -25,8 +25,6 @@ prompt, measured here, and it stayed).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -36,6 +34,7 @@ from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
 from gateway.cost.estimator import chat_chars
+from gateway.cost.memory import trim
 from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.prefix.hashing import block_hashes
 
@@ -60,18 +59,6 @@ RANK_INLINE_FACTOR = 16
 # message of this size: 0.06 ms on the loop, against the tens of milliseconds of encoding
 # that go to a worker; a history of many messages adds the template's render (~6 us each).
 WALK_ON_LOOP_CHARS = 131_072
-
-
-def _libc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
-    return getattr(libc, "malloc_trim", None)  # glibc only; elsewhere there is nothing to do
-
-
-_MALLOC_TRIM = _libc_trim()
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +219,7 @@ def _then_trim(job: Any) -> Any:
     try:
         return job()
     finally:
-        if _MALLOC_TRIM is not None:
-            _MALLOC_TRIM(0)
+        trim()
 
 
 def _chat_hashes(tok: HFTokenizer, messages: Sequence[Mapping[str, Any]],
