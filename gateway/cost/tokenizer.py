@@ -24,21 +24,18 @@ import importlib.util
 import json
 import logging
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import orjson
 from tokenizers import Tokenizer as RustTokenizer
 
 from gateway.cost import rankbpe
 from gateway.cost.blocks import BlockChains, Walk
 from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
-from gateway.cost.memory import trim
+from gateway.cost.pieces import PieceCache
 from gateway.cost.templates import (
     compile_template,
     continued_field,
@@ -56,9 +53,6 @@ NONE = "none"
 # history at a few tens of bytes of bookkeeping per piece plus the hash key.
 DEFAULT_CACHE_CHARS = 32_000_000
 
-# One encoded piece in this many is encoded again by the Hugging Face encoder when the rank
-# encoder did it (rankbpe.py): a difference switches this tokenizer back for good.
-CANARY_EVERY = 256
 ENCODERS = ("auto", "huggingface")
 
 log = logging.getLogger("gateway.cost")
@@ -95,67 +89,6 @@ class Tokenizer(Protocol):
 _NO_IDS: array[int] = array("I")  # an empty piece's
 
 
-class _PieceCache:
-    """Bounded LRU of rendered-text piece -> token count, or its token ids, safe across worker
-    threads.
-
-    Keyed by the piece's hash and length, not the text, so a 64 KB history is not kept alive
-    twice. Python's str hash is SipHash with a per-process random key: collisions among a few
-    thousand entries are ~1e-12 likely and cannot be forced by a client who does not know the key.
-    A piece's ids (kept where prefix routing needs them) are an `array('I')`: 4 bytes a token,
-    ~1 byte a character of text, a quarter of what a list of ints would hold.
-    """
-
-    def __init__(self, max_chars: int) -> None:
-        self._max_chars = max_chars
-        self._chars = 0
-        self._entries: OrderedDict[tuple[int, int], int | array[int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, piece: str) -> int | None:
-        key = (hash(piece), len(piece))
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return found if isinstance(found, int) else len(found)
-
-    def get_ids(self, piece: str) -> array[int] | None:
-        """The piece's ids, when they were kept (a count alone is a miss here)."""
-        key = (hash(piece), len(piece))
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None or isinstance(found, int):
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return found
-
-    def put(self, piece: str, count: int | array[int]) -> None:
-        key = (hash(piece), len(piece))
-        if len(piece) > self._max_chars:
-            return
-        with self._lock:
-            if key not in self._entries:
-                self._chars += len(piece)
-            self._entries[key] = count
-            self._entries.move_to_end(key)
-            while self._chars > self._max_chars:
-                (_, length), _ = self._entries.popitem(last=False)
-                self._chars -= length
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._chars = 0
-
-
 class HFTokenizer:
     """A Hugging Face fast tokenizer plus its chat template; counts are exact."""
 
@@ -171,6 +104,7 @@ class HFTokenizer:
         name: str,
         cache_chars: int = DEFAULT_CACHE_CHARS,
         encoder: str = "auto",
+        source: tuple[str, int, int] | None = None,
     ) -> None:
         self.name = name
         self._rust = rust
@@ -187,28 +121,20 @@ class HFTokenizer:
         # to exactly its own id).
         self._special_ids: dict[str, int] = {
             added.content: token_id for token_id, added in rust.get_added_tokens_decoder().items()}
-        self.cache = _PieceCache(cache_chars)
+        self.cache = PieceCache(cache_chars)
         self.chains = BlockChains()  # a prompt's block hashes per piece sequence (blocks.py)
-        # The rank encoder (rankbpe.py), built in a thread of its own at the first encode (half
-        # a second of loading that a tokenizer never used does not pay); until it is ready, or
-        # where it does not apply, the Hugging Face encoder does the work.
+        # The rank encoder (rankbpe.py), built in a thread of its own at the first encode or
+        # when the gateway starts; until it is ready, or where it does not apply, the Hugging
+        # Face encoder does the work.
         self.encoder = encoder
-        self.rank_bpe: rankbpe.RankBPE | None = None
-        self.rank_bpe_reason = "not built yet"
-        self.rank_bpe_done = threading.Event()
-        self._rank_started = False
-        self._rank_lock = threading.Lock()
-        self._encoded = 0
-        self.canary_mismatches = 0
         splittable = {c for c in self._special_ids
                       if self._splitter is not None and self._splitter.fullmatch(c)}
-        if encoder == "huggingface" or splittable != set(self._special_ids):
-            self._rank_started = True
-            self.rank_bpe_reason = ("the policy asks for the Hugging Face encoder"
-                                    if encoder == "huggingface" else
-                                    "an added token is matched inside text (normalized or "
-                                    "stripped), which the rank encoder cannot do")
-            self.rank_bpe_done.set()
+        self.rank = rankbpe.RankSlot(
+            name, rust, source,
+            off="the policy asks for the Hugging Face encoder" if encoder == "huggingface"
+            else None if splittable == set(self._special_ids)
+            else "an added token is matched inside text (normalized or stripped), which the "
+                 "rank encoder cannot do")
 
     @property
     def has_chat_template(self) -> bool:
@@ -379,85 +305,32 @@ class HFTokenizer:
         return 0.0
 
     def _count_batch(self, texts: list[str]) -> list[int]:
-        if self.rank_bpe is not None:
-            return [len(ids) for ids in self._encode(texts)]
+        if self.rank.encoder is not None:
+            return [len(ids) for ids in self.rank.encode(texts)]
         if self._splitter is not None:
-            self.start_rank_bpe()
+            self.rank.start()
         # encode_batch_fast releases the GIL for the whole Rust call and skips offsets; the
         # single-text `encode` holds the GIL, which would stall the event loop thread. len() of
         # an Encoding avoids building a Python list of every id.
         return [len(e) for e in self._rust.encode_batch_fast(texts, add_special_tokens=False)]
 
     def _encode(self, texts: list[str]) -> list[Sequence[int]]:
-        """Ids of pieces holding no added token: the rank encoder's where it is ready and the
-        text within its guard, the Hugging Face encoder's for the rest (one batch)."""
-        rank = self.rank_bpe
-        if rank is None:
-            if self._splitter is not None:
-                self.start_rank_bpe()
-            return [e.ids for e in self._rust.encode_batch_fast(texts,
-                                                                add_special_tokens=False)]
-        out: list[Sequence[int] | None] = []
-        slow: list[int] = []
-        for i, text in enumerate(texts):
-            if rank.fits(text):
-                out.append(rank.encode(text))
-            else:
-                out.append(None)
-                slow.append(i)
-        if slow:
-            for i, enc in zip(slow, self._rust.encode_batch_fast(
-                    [texts[i] for i in slow], add_special_tokens=False), strict=True):
-                out[i] = enc.ids
-        before = self._encoded
-        self._encoded += len(texts)
-        if before // CANARY_EVERY != self._encoded // CANARY_EVERY:
-            self._canary(texts, out)
-        return out  # type: ignore[return-value]  # every None was filled
+        """Ids of pieces holding no added token (the splitter cut them out)."""
+        if self._splitter is not None:
+            self.rank.start()
+        return self.rank.encode(texts)
 
-    def _canary(self, texts: list[str], ids: list[Sequence[int] | None]) -> None:
-        text, got = texts[0], ids[0]
-        want = self._rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        if list(got or ()) != list(want):
-            self.canary_mismatches += 1
-            self.rank_bpe = None
-            self.rank_bpe_reason = "a piece encoded differently from the Hugging Face encoder"
-            log.error("tokenizer %s: the rank encoder gave %d ids where the Hugging Face "
-                      "encoder gives %d for a %d-character piece; the Hugging Face encoder "
-                      "does all the work from now on", self.name, len(got or ()), len(want),
-                      len(text))
-            ids[0] = want
+    @property
+    def rank_bpe(self) -> rankbpe.RankBPE | None:
+        """The rank encoder while it counts; None while the Hugging Face encoder does."""
+        return self.rank.encoder
 
     def start_rank_bpe(self) -> None:
-        """Build the rank encoder in its own thread, once (the gateway calls this at start)."""
-        with self._rank_lock:
-            if self._rank_started:
-                return
-            self._rank_started = True
-        threading.Thread(target=self._build_rank_bpe, name=f"rank-bpe-{self.name}",
-                         daemon=True).start()
-
-    def _build_rank_bpe(self) -> None:
-        try:
-            encoder, why = rankbpe.build(orjson.loads(self._rust.to_str()), self._rust)
-        except Exception as exc:  # any failure leaves the Hugging Face encoder in place
-            encoder, why = None, f"{type(exc).__name__}: {exc}"
-        trim()  # the parsed tokenizer.json is garbage now: ~60 MB of RSS otherwise kept
-        self.rank_bpe_reason = why
-        self.rank_bpe = encoder
-        self.rank_bpe_done.set()
-        if encoder is None:
-            log.info("tokenizer %s: the Hugging Face encoder does the counting (%s)",
-                     self.name, why)
-        else:
-            log.info("tokenizer %s: counting with the rank encoder (tiktoken's core, the same "
-                     "ids)", self.name)
+        self.rank.start()
 
     def wait_rank_bpe(self, timeout_s: float = 30.0) -> bool:
         """Start the rank encoder's build and wait for it; True when it is in use."""
-        self.start_rank_bpe()
-        self.rank_bpe_done.wait(timeout_s)
-        return self.rank_bpe is not None
+        return self.rank.wait(timeout_s)
 
 
 def _special_splitter(rust: RustTokenizer) -> re.Pattern[str] | None:
@@ -538,8 +411,10 @@ def load_from_files(
         for key in _SPECIAL_TOKEN_KEYS
         if (content := _token_content(config.get(key))) is not None
     }
+    stat = tokenizer_json.stat()
     tokenizer = HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars,
-                            encoder=encoder)
+                            encoder=encoder, source=(str(tokenizer_json.resolve()),
+                                                     stat.st_size, stat.st_mtime_ns))
     tokenizer.chat_template_spec = chat_template
     return tokenizer
 
