@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from http.client import HTTPConnection
 from pathlib import Path
 
-import anyio.from_thread
 import pytest
 from aiohttp import web
 
@@ -36,6 +35,7 @@ from tests.servers import (
     run_server,
     scrape,
 )
+from tests.stand_ins import CHAT_OK, StandIn, running
 
 KEY_A, KEY_B, ADMIN = "sk-hard-a", "sk-hard-b", "sk-hard-admin"
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
@@ -67,25 +67,24 @@ def chat(gw: Server, key: str, timeout: float = 30.0,
 
 # --- an engine stand-in that records what reached it, for what the simulator cannot do ----------
 
-class StubEngine:
+class StubEngine(StandIn):
     """Answers chat with a fixed completion; `mode` makes it fail the ways engines fail."""
 
     def __init__(self, key: str | None = None) -> None:
+        super().__init__()
         self.key = key
         self.mode = "ok"  # "ok" | "error_500" | "abort"
         self.bodies: list[bytes] = []
         self.probes: list[str | None] = []
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
     def _refused(self, req: web.Request) -> bool:
         return self.key is not None and req.headers.get("authorization") != f"Bearer {self.key}"
 
-    async def _health(self, req: web.Request) -> web.Response:
+    async def health(self, req: web.Request) -> web.Response:
         self.probes.append(req.headers.get("authorization"))
         return web.Response(status=401 if self._refused(req) else 200, text="ok")
 
-    async def _chat(self, req: web.Request) -> web.StreamResponse:
+    async def chat(self, req: web.Request) -> web.StreamResponse:
         if self._refused(req):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         self.bodies.append(await req.read())
@@ -96,29 +95,13 @@ class StubEngine:
             assert req.transport is not None
             req.transport.abort()
             return web.Response()
-        return web.json_response({
-            "id": "x", "object": "chat.completion", "created": 1, "model": "test-model",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 17, "completion_tokens": 1, "total_tokens": 18}})
-
-    async def start(self) -> web.AppRunner:
-        app = web.Application()
-        app.add_routes([web.post("/v1/chat/completions", self._chat),
-                        web.get("/health", self._health)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        return runner
+        return web.json_response(CHAT_OK)
 
 
 @pytest.fixture
 def stub() -> Iterator[StubEngine]:
-    engine = StubEngine(key="engine-secret")
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        runner = portal.call(engine.start)
+    with running(StubEngine(key="engine-secret")) as engine:
         yield engine
-        portal.call(runner.cleanup)
 
 
 def rss_mb(pid: int) -> float:

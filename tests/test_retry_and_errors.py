@@ -17,7 +17,6 @@ import re
 import time
 from collections.abc import Iterator
 
-import anyio.from_thread
 import openai
 import pytest
 from aiohttp import web
@@ -44,7 +43,6 @@ from gateway.protocol import SDK_RETRY_AFTER_CAP_S
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     Server,
-    free_port,
     http,
     metric,
     openai_client,
@@ -53,6 +51,7 @@ from tests.servers import (
     scrape,
     settled,
 )
+from tests.stand_ins import StandIn, running
 
 OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
                 "not_found_error", "rate_limit_error", "server_error"}
@@ -277,14 +276,13 @@ def test_503_with_a_long_predicted_wait_is_not_retried(
 
 # --- B: the engine's errors in OpenAI's shape ------------------------------------------------
 
-class VllmLike:
+class VllmLike(StandIn):
     """An engine stand-in (we do not own vLLM) that answers as vLLM does when it refuses:
     `{"error": {"message", "type": "BadRequestError", "param", "code": 400}}`, mid-stream as
     an SSE event too. What it does is chosen by the prompt."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.hits = 0
 
     @staticmethod
@@ -292,7 +290,7 @@ class VllmLike:
         return json.dumps({"error": {"message": message, "type": type_, "param": param,
                                      "code": code}}).encode()
 
-    async def _chat(self, req: web.Request) -> web.StreamResponse:
+    async def chat(self, req: web.Request) -> web.StreamResponse:
         self.hits += 1
         body = await req.json()
         what = body["messages"][-1]["content"]
@@ -326,26 +324,12 @@ class VllmLike:
         await resp.write_eof()
         return resp
 
-    async def _health(self, req: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def start(self) -> web.AppRunner:
-        app = web.Application()
-        app.add_routes([web.post("/v1/chat/completions", self._chat),
-                        web.get("/health", self._health)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        return runner
-
 
 @pytest.fixture
 def engine() -> Iterator[VllmLike]:
-    stand_in = VllmLike()
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        runner = portal.call(stand_in.start)
+    with running(VllmLike()) as stand_in:
         yield stand_in
-        portal.call(runner.cleanup)
+
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import anyio.from_thread
 import openai
 import pytest
 from aiohttp import web
@@ -28,6 +27,7 @@ from tests.servers import (
     run_server,
     scrape,
 )
+from tests.stand_ins import CHAT_OK, StandIn, running
 
 KEY_A, KEY_B, KEY_SHED, ADMIN = "sk-team-a", "sk-team-b", "sk-batch", "sk-admin-secret"
 MESSAGES = [{"role": "user", "content": "Hello there, how are you today?"}]
@@ -60,41 +60,22 @@ UNKNOWN = "sk-unknown"  # a key the policy does not know: the SDK insists on sen
 
 # --- an engine stand-in that records what reached it (we do not own vLLM) ---------------
 
-class EchoEngine:
+class EchoEngine(StandIn):
+    """Keeps the headers of every chat request it answers."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.headers: list[dict[str, str]] = []
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
-    async def _chat(self, req: web.Request) -> web.Response:
+    async def chat(self, req: web.Request) -> web.StreamResponse:
         self.headers.append({k.lower(): v for k, v in req.headers.items()})
-        return web.json_response({
-            "id": "x", "object": "chat.completion", "created": 1, "model": "test-model",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 17, "completion_tokens": 1, "total_tokens": 18}})
-
-    async def _health(self, req: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def start(self) -> web.AppRunner:
-        app = web.Application()
-        app.add_routes([web.post("/v1/chat/completions", self._chat),
-                        web.get("/health", self._health)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        return runner
+        return web.json_response(CHAT_OK)
 
 
 @pytest.fixture
 def echo() -> Iterator[EchoEngine]:
-    # Its own event loop on a thread of its own: the tests block on the SDK meanwhile.
-    engine = EchoEngine()
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        runner = portal.call(engine.start)
+    with running(EchoEngine()) as engine:
         yield engine
-        portal.call(runner.cleanup)
 
 
 def test_keys_accepted_refused_and_never_forwarded(echo: EchoEngine,

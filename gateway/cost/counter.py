@@ -102,11 +102,15 @@ class TokenCounter:
         # caller -> (its turn in the long lane, how many of its prompts hold or await it)
         self._turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
-    def warm(self) -> None:
-        """What a serving gateway wants ready before traffic: the rank encoder, built in its
-        own thread (the Hugging Face encoder counts until it is)."""
+    def warm(self, wait_s: float = 0.0) -> None:
+        """What a serving process wants ready before traffic: the rank encoder, built in its
+        own thread (the Hugging Face encoder counts until it is). `wait_s`: wait that long for
+        it; a server does, before it serves, because the build holds the GIL for stretches of
+        a tenth of a second (the tokenizer.json's parse, tiktoken's core being made)."""
         if isinstance(self.tokenizer, HFTokenizer):
             self.tokenizer.start_rank_bpe()
+            if wait_s > 0:
+                self.tokenizer.wait_rank_bpe(wait_s)
 
     def check_chars(self, chars: int, param: str = "messages") -> None:
         if chars > self.max_prompt_chars:

@@ -39,6 +39,7 @@ import logging
 import threading
 import unicodedata
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -202,7 +203,11 @@ class RankSlot:
             found = _BUILT.get(self._source) if self._source is not None else None
             if found is None:
                 try:
-                    found = build(orjson.loads(self._rust.to_str()), self._rust)
+                    # The file itself where it is known: serialising the loaded tokenizer
+                    # back (`to_str`) costs another ~0.2 s with the GIL held.
+                    raw = Path(self._source[0]).read_bytes() if self._source is not None \
+                        else self._rust.to_str()
+                    found = build(orjson.loads(raw), self._rust)
                 except Exception as exc:  # any failure leaves the Hugging Face encoder
                     found = None, f"{type(exc).__name__}: {exc}"
                 trim()  # the parsed tokenizer.json is garbage now: ~60 MB of RSS otherwise

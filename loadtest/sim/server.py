@@ -136,6 +136,7 @@ class SimApp:
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template)
         self.counter = TokenCounter(self.tokenizer)
+        await asyncio.to_thread(self.counter.warm, 30.0)  # the rank encoder, before serving
         if self.config.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(self.config.kv_events_endpoint,
                                               self.config.kv_events_replay_endpoint,
