@@ -133,10 +133,12 @@ class SimApp:
     # -- lifecycle ----------------------------------------------------------------------------
     async def startup(self) -> None:
         if self.tokenizer is None:
+            # The Hugging Face encoder, as vLLM and SGLang count: the simulated engine stands
+            # for them, and the gateway's rank encoder is checked against it.
             self.tokenizer = await asyncio.to_thread(
-                load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template)
+                load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template,
+                encoder="huggingface")
         self.counter = TokenCounter(self.tokenizer)
-        await asyncio.to_thread(self.counter.warm, 30.0)  # the rank encoder, before serving
         if self.config.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(self.config.kv_events_endpoint,
                                               self.config.kv_events_replay_endpoint,
