@@ -69,7 +69,8 @@ def summarise(policy: Policy) -> str:
                   f"KV {arch.kv_bytes_per_token(m.kv_cache_dtype):,} B/token"
                   if arch else "no architecture")
         served = f" (engines call it {m.served_name})" if m.served_name else ""
-        lines.append(f"    {m.name}{served}: tokenizer {m.tokenizer}; {detail}")
+        encoder = " (the Hugging Face encoder only)" if m.encoder == "huggingface" else ""
+        lines.append(f"    {m.name}{served}: tokenizer {m.tokenizer}{encoder}; {detail}")
     lines.append("  pools:")
     for name, pool in policy.pools.items():
         lines.append(f"    {name}: {pool.engine}, models {', '.join(pool.models)}, "
