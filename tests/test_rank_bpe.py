@@ -3,7 +3,9 @@ is used at all, and steps aside where it cannot (gateway/cost/rankbpe.py)."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,3 +226,21 @@ def test_a_canary_difference_keeps_later_loads_of_the_file_off_it(tmp_path: Path
     later = load_tokenizer(str(tmp_path))
     assert isinstance(later, HFTokenizer) and not later.wait_rank_bpe()
     assert "differently" in later.rank.reason
+
+
+def test_code_json_and_base64_stay_with_the_rank_encoder(
+        pair: tuple[HFTokenizer, HFTokenizer]) -> None:
+    """No whitespace for thousands of bytes, but short runs of each class: its pre-tokens are
+    short, so the guard lets them through, and the ids are the same."""
+    fast, slow = pair
+    rng = random.Random(5)
+    minified = orjson.dumps([{"id": i, "name": f"item{i}", "v": i * 1.5, "ok": i % 2 == 0}
+                             for i in range(600)]).decode()
+    b64 = base64.b64encode(rng.randbytes(12_000)).decode()
+    url = "https://example.com/" + "a-b_c/" * 1500
+    for text in (minified, b64, url):
+        assert fast.rank_bpe is not None and fast.rank_bpe.fits(text)
+        assert list(_fresh(fast).rendered_ids(text)) == list(_fresh(slow).rendered_ids(text))
+    cjk = "中文段落没有空格" * 400  # no ASCII between: its class is not known here
+    assert not fast.rank_bpe.fits(cjk)
+    assert list(_fresh(fast).rendered_ids(cjk)) == list(_fresh(slow).rendered_ids(cjk))

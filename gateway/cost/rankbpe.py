@@ -27,10 +27,12 @@ no difference with Qwen's files. `HFTokenizer` also re-encodes one encoded piece
 `CANARY_EVERY` with the Hugging Face encoder and stops using this one at the first difference.
 
 tiktoken merges a pre-token in time quadratic in its bytes (a linear scan per merge); the
-Hugging Face encoder is linear. A pre-token lies within a run of whitespace or of
-non-whitespace bytes (plus one leading space and trailing newlines), so texts with such a run
-of `MAX_RUN_BYTES` or more go to the Hugging Face encoder: at 2,048 bytes tiktoken's worst case
-(one repeated letter) still costs less per byte than the Hugging Face encoder's usual.
+Hugging Face encoder is linear. A pre-token lies within a run of letters, digits, punctuation
+or whitespace (plus one leading character and trailing newlines), so texts with such a run of
+`MAX_RUN_BYTES` or more go to the Hugging Face encoder: at 2,048 bytes tiktoken's worst case
+(one repeated letter) still costs less per byte than the Hugging Face encoder's usual. Code,
+minified JSON and base64 pass (their runs are short); one 2,048-byte word, or a paragraph of
+CJK text with no ASCII between (its characters are of unknown class here), does not.
 """
 
 from __future__ import annotations
@@ -55,12 +57,26 @@ CANARY_EVERY = 256
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 MAX_RUN_BYTES = 2048
 
-# Every ASCII whitespace byte to b" ", every other byte to b"x": a run of either class in the
-# translated UTF-8 bounds the pre-tokens (multi-byte whitespace counts as non-whitespace, which
-# only makes the bound stricter).
-_CLASSES = bytes(0x20 if b in b" \t\n\r\x0b\x0c" else 0x78 for b in range(256))
-_LONG_WORD = b"x" * MAX_RUN_BYTES
-_LONG_SPACE = b" " * MAX_RUN_BYTES
+# A pre-token of these regexes lies within a run of letters, of digits, of punctuation or of
+# whitespace (plus one leading character and trailing newlines). One table per class maps its
+# ASCII bytes, every non-ASCII byte (a character of any class) and the ASCII control bytes (to
+# be safe) to 1, the rest to 0: a run of MAX_RUN_BYTES ones in any translation is a pre-token
+# that may be that long. The guard decides only which encoder does the work, never the ids.
+_ASCII_CLASSES = (
+    bytes(range(0x41, 0x5B)) + bytes(range(0x61, 0x7B)),  # letters
+    bytes(range(0x30, 0x3A)),  # digits
+    bytes(b for b in range(0x21, 0x7F) if not chr(b).isalnum()),  # punctuation and symbols
+    b" \t\n\r\x0b\x0c",  # whitespace
+)
+_ANY_CLASS = bytes(b for b in range(256) if b >= 0x80 or b < 0x09 or 0x0E <= b < 0x20
+                   or b == 0x7F)
+_TABLES = tuple(bytes(1 if b in members or b in _ANY_CLASS else 0 for b in range(256))
+                for members in _ASCII_CLASSES)
+_LONG_RUN = b"\x01" * MAX_RUN_BYTES
+# First the cheap test prose passes: ASCII whitespace to 1, every other byte to 0, and no run of
+# either as long; only a text that fails it (code, JSON, base64, CJK) pays for the four above.
+_SPACES = bytes(1 if b in b" \t\n\r\x0b\x0c" else 0 for b in range(256))
+_LONG_GAP = b"\x00" * MAX_RUN_BYTES
 
 PROBE = (
     "Hello, world! It's 2026-12-01; we'll see: x=3.14159, y = [1, 22, 333, 4444].\n"
@@ -99,10 +115,15 @@ class RankBPE:
     def fits(self, text: str) -> bool:
         """Whether `text` is within the quadratic guard (and is encodable UTF-8)."""
         try:
-            classes = text.encode("utf-8").translate(_CLASSES)
+            raw = text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: the Hugging Face encoder decides
             return False
-        return _LONG_WORD not in classes and _LONG_SPACE not in classes
+        if len(raw) < MAX_RUN_BYTES:
+            return True
+        spaces = raw.translate(_SPACES)
+        if _LONG_RUN not in spaces and _LONG_GAP not in spaces:
+            return True
+        return all(_LONG_RUN not in raw.translate(table) for table in _TABLES)
 
     def encode(self, text: str) -> list[int]:
         """Ids of text holding no added token; releases the GIL for the Rust work."""
