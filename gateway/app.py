@@ -283,7 +283,7 @@ class GatewayApp:
                 counter = TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template,
                                                       encoder=m.encoder),
                                        policy.server.max_prompt_chars)
-                counter.warm(wait_s=30.0)  # in the reload's thread, as loading the tokenizer
+                counter.warm()  # in the reload's thread, as loading the tokenizer
                 self._counters[m.name] = (m.tokenizer, counter)
             counter.max_prompt_chars = policy.server.max_prompt_chars
             counter.inline_chars = policy.server.inline_tokenize_chars

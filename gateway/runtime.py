@@ -77,7 +77,7 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
            for m in policy.models}
     for counter in out.values():
         counter.inline_chars = policy.server.inline_tokenize_chars
-        counter.warm(wait_s=30.0)  # start-up runs this in a thread, before serving
+        counter.warm()  # start-up runs this in a thread, before serving
     return out
 
 

@@ -102,15 +102,13 @@ class TokenCounter:
         # caller -> (its turn in the long lane, how many of its prompts hold or await it)
         self._turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
-    def warm(self, wait_s: float = 0.0) -> None:
-        """What a serving process wants ready before traffic: the rank encoder, built in its
-        own thread (the Hugging Face encoder counts until it is). `wait_s`: wait that long for
-        it; a server does, before it serves, because the build holds the GIL for stretches of
-        a tenth of a second (the tokenizer.json's parse, tiktoken's core being made)."""
+    def warm(self, timeout_s: float = 30.0) -> None:
+        """What a serving process wants ready before traffic: the rank encoder, built and
+        waited for. A server calls this before it serves (start-up and reload run it in a
+        thread) because the build holds the GIL for stretches of a tenth of a second (the
+        tokenizer.json's parse, tiktoken's core being made)."""
         if isinstance(self.tokenizer, HFTokenizer):
-            self.tokenizer.start_rank_bpe()
-            if wait_s > 0:
-                self.tokenizer.wait_rank_bpe(wait_s)
+            self.tokenizer.wait_rank_bpe(timeout_s)
 
     def check_chars(self, chars: int, param: str = "messages") -> None:
         if chars > self.max_prompt_chars:

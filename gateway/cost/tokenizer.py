@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import re
 from array import array
 from collections.abc import Mapping, Sequence
@@ -52,10 +51,6 @@ NONE = "none"
 # Characters of rendered text whose piece counts are kept; 32M characters is ~8M tokens of
 # history at a few tens of bytes of bookkeeping per piece plus the hash key.
 DEFAULT_CACHE_CHARS = 32_000_000
-
-ENCODERS = ("auto", "huggingface")
-
-log = logging.getLogger("gateway.cost")
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -324,9 +319,6 @@ class HFTokenizer:
     def rank_bpe(self) -> rankbpe.RankBPE | None:
         """The rank encoder while it counts; None while the Hugging Face encoder does."""
         return self.rank.encoder
-
-    def start_rank_bpe(self) -> None:
-        self.rank.start()
 
     def wait_rank_bpe(self, timeout_s: float = 30.0) -> bool:
         """Start the rank encoder's build and wait for it; True when it is in use."""
