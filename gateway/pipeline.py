@@ -25,21 +25,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
 import orjson
 
-from gateway.admission.pool import Ask, Ticket
+from gateway.admission.pool import Ticket
 from gateway.admission.prefixes import hash_block_size
 from gateway.affinity import Held
-from gateway.cost import PromptTooLong, RequestCost, RequestCostError, estimate
+from gateway.cost import PromptTooLong, RequestCostError, estimate
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
 from gateway.policy import ModelSpec
-from gateway.policy.model import TenantSpec
+from gateway.prepared import Caller, Prepared, Work
 from gateway.profiles import ModelProfile, get_model
 from gateway.prompts import Prompt, count_prompt
 from gateway.protocol import (
@@ -51,6 +51,7 @@ from gateway.protocol import (
     client_deadline,
     endpoint_of,
     parse_request,
+    set_header,
 )
 from gateway.proxy import ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
@@ -100,70 +101,6 @@ class Inbound:
     headers: Headers
 
 
-# --- what each stage finds ----------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    tenant: TenantSpec
-    priority: int
-    deadline_s: float | None  # the caller's own limit on queueing
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
-
-    cost: RequestCost
-    sequences: int  # prompts x n: the engine runs each as its own sequence
-
-    @property
-    def blocks(self) -> int:
-        return self.cost.kv_blocks_reserved * self.sequences
-
-    @property
-    def tokens(self) -> int:
-        """Tokens admission expects the request to hold (prompt + the learned output)."""
-        return (self.cost.prompt_tokens + self.cost.expected_output_tokens) * self.sequences
-
-    @property
-    def quota_tokens(self) -> int:
-        """Tokens the tenant's quota reserves: what the request may use (prompt + its
-        `max_tokens`, or the pool's default), not what others' traffic suggests, so that a
-        burst of parallel requests cannot pass the bucket."""
-        return (self.cost.prompt_tokens + self.cost.max_output_tokens) * self.sequences
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A request read, counted, routed and estimated: everything admission is asked about."""
-
-    caller: Caller
-    endpoint: Endpoint
-    model: ModelSpec
-    data: dict[str, Any]
-    parsed: ParsedRequest
-    prompt: Prompt
-    route: Route
-    work: Work
-    held: Held | None = None  # the stored response it continues, and where it lives
-    read_at: float = 0.0  # loop time the body was read: the gateway's own work starts here
-    session: str | None = None  # for session affinity: the pool's session header, or `user`
-
-    def ask(self, now: float | None = None) -> Ask:
-        """What admission is asked; `now` (loop time): the time since the body was read (the
-        gateway's reading of it, counting, waiting for the tokenizer) counts as time waited."""
-        t = self.caller.tenant
-        return Ask(self.route.pool, self.work.blocks, self.work.tokens,
-                   priority=self.caller.priority, caller=t.name,
-                   deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
-                   tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
-                   prompt_tokens=self.prompt.tokens,
-                   backend=self.held.backend if self.held else None,
-                   waited_s=0.0 if now is None else max(0.0, now - self.read_at),
-                   hashes=self.prompt.hashes, hash_block=self.prompt.hash_block,
-                   session=self.session)
-
-
 # --- the pipeline -------------------------------------------------------------------------------
 
 class Pipeline:
@@ -207,12 +144,12 @@ class Pipeline:
     # count ------------------------------------------------------------------------------------
 
     async def count(self, model: ModelSpec, data: dict[str, Any], parsed: ParsedRequest,
-                    caller: Caller, prior_tokens: int = 0) -> Prompt:
+                    caller: Caller, prior_tokens: int = 0, behind_chars: int = 0) -> Prompt:
         try:
             # Long prompts take turns by tenant (gateway/cost/counter.py).
             return await count_prompt(self.rt.counters[model.name], model, data, parsed,
                                       caller.tenant.name, prior_tokens,
-                                      self._hash_block[model.name])
+                                      self._hash_block[model.name], behind_chars)
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param,
                                  code="prompt_too_long" if isinstance(exc, PromptTooLong)
@@ -259,18 +196,53 @@ class Pipeline:
         self.rt.tenants.check_model(caller.tenant, model.name)
         t = lap("parse", t)
         held = await self._held(parsed)
-        prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0)
+        # Served requests may go on with a bound of a long new prompt (`count_behind_chars`).
+        prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0,
+                                  self.rt.policy.server.count_behind_chars if timed else 0)
         t = lap("count", t)
-        route = self.route(model, prompt, parsed)
-        if held is not None and held.pool != route.pool and held.pool in self.rt.policy.pools:
-            route = Route(model, held.pool)  # the conversation lives there
-        work = self.estimate(model, route, prompt, parsed)
+        route, work, prompt = await self._plan(model, prompt, parsed, held)
         lap("route", t)
         user = data.get("user")
         session = inbound.headers.get(b"x-session-id")  # else the body's `user`
         return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held,
                         read_at, session.decode("latin-1") if session
                         else user if isinstance(user, str) and user else None)
+
+    async def _plan(self, model: ModelSpec, prompt: Prompt, parsed: ParsedRequest,
+                    held: Held | None) -> tuple[Route, Work, Prompt]:
+        """Route and estimate. A prompt counted behind goes on with its bound only where the
+        bound decides as the count would: the same pool for its floor as for its bound, and
+        within the context; otherwise the count is waited for."""
+        while True:
+            try:
+                route = self.route(model, prompt, parsed)
+                if held is not None and held.pool != route.pool \
+                        and held.pool in self.rt.policy.pools:
+                    route = Route(model, held.pool)  # the conversation lives there
+                work = self.estimate(model, route, prompt, parsed)
+            except GatewayError:  # over the context, or no pool up for that length
+                if prompt.pending is None:
+                    raise
+                prompt = await self._the_count(model, prompt)
+                continue
+            if prompt.pending is not None:
+                low = self.rt.router.route(model, prompt.least, parsed.output_limit)
+                if (low.pool, low.overflow) != (route.pool, route.overflow):
+                    prompt = await self._the_count(model, prompt)
+                    continue
+            return route, work, prompt
+
+    async def _the_count(self, model: ModelSpec, prompt: Prompt) -> Prompt:
+        """Wait for a prompt's count: its bound would decide otherwise."""
+        assert prompt.pending is not None
+        self.rt.metrics.counted_behind.labels(model.name, "waited").inc()
+        return await prompt.pending
+
+    async def _counted(self, p: Prepared) -> Prepared:
+        """`p` with its prompt counted (it went on with a bound so far)."""
+        prompt = await self._the_count(p.model, p.prompt)
+        route, work, prompt = await self._plan(p.model, prompt, p.parsed, p.held)
+        return replace(p, prompt=prompt, route=route, work=work)
 
     def _lap(self, stage: str, since: float) -> float:
         now = self.loop_time()
@@ -316,16 +288,28 @@ class Pipeline:
         record: Record | None = None
         ticket: Ticket | None = None
         quota: QuotaTicket | None = None
+        behind: asyncio.Task[Prepared] | None = None
+        pending: asyncio.Future[Prompt] | None = None
         forward_start = 0.0
         task = asyncio.current_task()
         try:
             p = await self.prepare(inbound, client, on_read, timed=True)
+            pending = p.prompt.pending
+            tenant = p.caller.tenant
+            if pending is not None and (tenant.tokens_per_minute or tenant.tokens_per_day):
+                p = await self._counted(p)  # a quota is charged on the count, never a bound
             lap = self._lap if self._timed else _no_lap
             t = self.loop_time()
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             t = lap("quota", t)
             upstream_body, strip_usage = self._upstream_body(p)
-            ticket = await rt.admission.admit(p.ask(self.loop_time()))
+            ask = p.ask(self.loop_time())
+            if p.prompt.pending is not None and not rt.admission.admits_now(ask):
+                p = await self._counted(p)  # the bound would wait or be refused: the count decides
+                ask = p.ask(self.loop_time())
+            if p.prompt.pending is not None:
+                rt.metrics.counted_behind.labels(p.model.name, "sent").inc()
+            ticket = await rt.admission.admit(ask)
             if self._timed:
                 self._stage["queue"](ticket.queue_s)
                 lap("admission", t + ticket.queue_s)
@@ -336,15 +320,17 @@ class Pipeline:
             headers = answer_headers(inbound.request_id, p.route.pool, ticket.decision,
                                      ticket.queue_s, p.prompt.tokens, ticket.cached_tokens,
                                      quota.window if quota is not None else None)
+            if p.prompt.pending is not None:
+                behind = asyncio.create_task(self._count_behind(p, ticket, headers, record))
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
                           bool(p.parsed.stream), headers,
-                          strip_usage, partial(rt.admission.prefill_done, ticket))
+                          strip_usage, partial(rt.admission.prefill_done, ticket), behind)
             forward_start = asyncio.get_running_loop().time()
             if not up.stream:
                 # The engine's usage comes only with a whole answer: read it even if the
                 # caller leaves (bounded), or the caller could cut to dodge its quota.
                 client.linger(rt.policy.upstream.disconnect_drain_s)
-            await self._forward(p, up, relay, ticket, client.send, forward_start)
+            await self._forward(p, up, relay, ticket, client.send, forward_start, behind)
             if self._timed and relay.headers_at is not None:
                 self._stage["upstream_headers"](relay.headers_at - forward_start)
         except asyncio.CancelledError:
@@ -362,6 +348,9 @@ class Pipeline:
                 f"Internal gateway error (request id {inbound.request_id})."))
         finally:
             client.detach()
+            for job in (behind, pending):  # a count no one will read (its rebooking goes on)
+                if job is not None and not job.done():
+                    job.cancel()
             # Shielded: a second cancellation must not leak a reservation or a quota.
             if ticket is not None:
                 await asyncio.shield(rt.admission.release(ticket))
@@ -388,8 +377,23 @@ class Pipeline:
         data["model"] = p.model.upstream_name
         return orjson.dumps(data), strip_usage
 
+    async def _count_behind(self, p: Prepared, ticket: Ticket,
+                            headers: list[tuple[bytes, bytes]], record: Record) -> Prepared:
+        """The count of a prompt sent on its bound: its reservation booked again on it, the
+        answer's headers and the access log given it."""
+        assert p.prompt.pending is not None
+        prompt = await p.prompt.pending
+        counted = replace(p, prompt=prompt, work=self.estimate(p.model, p.route, prompt,
+                                                                p.parsed))
+        await asyncio.shield(self.rt.admission.rebook(ticket, counted.ask()))
+        record.estimated_prompt_tokens = prompt.tokens
+        set_header(headers, b"x-gateway-prompt-tokens", b"%d" % prompt.tokens)
+        set_header(headers, b"x-gateway-cached-tokens", b"%d" % ticket.cached_tokens)
+        return counted
+
     async def _forward(self, p: Prepared, up: Upstream, relay: Relay, ticket: Ticket,
-                       send: Send, started: float) -> None:
+                       send: Send, started: float,
+                       behind: asyncio.Task[Prepared] | None = None) -> None:
         rt = self.rt
         inflight = rt.metrics.pool_children(up.pool)[3]
         inflight.inc()
@@ -399,6 +403,12 @@ class Pipeline:
             await rt.forwarder.forward(up, relay, send, ticket.backend)
         finally:
             inflight.dec()
+            if behind is not None and behind.done() and not behind.cancelled():
+                if behind.exception() is None:
+                    p = behind.result()  # what follows reads the count
+                else:  # the bound stays booked: the safe side
+                    log.error("counting request %s behind failed: %r", up.request_id,
+                              behind.exception())
             if relay.response_id is not None and relay.backend is not None \
                     and p.data.get("store") is not False:
                 # Where it is stored, and what its conversation now costs the next turn.

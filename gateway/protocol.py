@@ -89,6 +89,13 @@ def answer_headers(request_id: str, pool: str, decision: str, queue_s: float,
     return out
 
 
+def set_header(headers: list[tuple[bytes, bytes]], name: bytes, value: bytes) -> None:
+    """Replace `name`'s value in place (the answer's headers, before they are sent)."""
+    for i, (key, _) in enumerate(headers):
+        if key == name:
+            headers[i] = (name, value)
+
+
 # --- request bodies -------------------------------------------------------------------------
 
 class _Passthrough(BaseModel):

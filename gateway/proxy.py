@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -64,6 +65,9 @@ class Upstream:
     # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
     strip_usage: bool = False
     on_first_byte: Callable[[], None] | None = None  # once: admission's prefill backlog
+    # Its prompt counted behind (gateway/pipeline.py): the answer's headers, which carry the
+    # count, wait for it (an engine prefilling that prompt answers later than it lands).
+    ready: asyncio.Future[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -238,6 +242,8 @@ class Forwarder:
 
     async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
+        if up.ready is not None and not up.ready.done():
+            await asyncio.wait([up.ready])
         headers = list(up.response_headers)
         if ex.backend is not None:
             headers.append((b"x-gateway-backend", ex.backend.name.encode()))

@@ -40,6 +40,7 @@ from gateway.admission.guard import LatencyGuard
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.prefixes import PrefixPlacement, rule_of
 from gateway.admission.queue import FairQueue
+from gateway.admission.rebook import rebook
 from gateway.admission.thresholds import thresholds_for
 from gateway.backends import Backend, Backends
 from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUnavailable
@@ -212,6 +213,15 @@ class Admission:
         out["cached_tokens"] = chosen.cached_tokens if chosen is not None else 0
         out["reserve_blocks"] = blocks_on(chosen, ask.blocks) if chosen is not None else None
         return out
+
+    def admits_now(self, ask: Ask) -> bool:
+        """Whether `admit` would admit `ask` at once (rather than queue or refuse it)."""
+        return decide(self.view(ask), _ask_view(ask)).action == "admit"
+
+    def rebook(self, ticket: Ticket, ask: Ask) -> asyncio.Future[None]:
+        """Book `ticket` again on `ask`, its prompt counted (gateway/admission/rebook.py)."""
+        ticket.resizing = asyncio.ensure_future(rebook(self, ticket, ask))
+        return ticket.resizing
 
     async def admit(self, ask: Ask) -> Ticket:
         """Admit `ask` now (a ticket), queue it until it fits (a ticket, later), or raise the
@@ -391,6 +401,9 @@ class Admission:
         ticket.watched = ps.live.add(progress, started, self.clock(), expected_tokens)
 
     async def release(self, ticket: Ticket, *, completed: bool = True) -> None:
+        if ticket.resizing is not None:
+            # Its rebooking's own failure is the pipeline's to log; the lease is then the bound's.
+            await asyncio.wait([ticket.resizing])
         ps = self.pools[ticket.pool]
         self.prefill_done(ticket)
         if ticket.tokens:

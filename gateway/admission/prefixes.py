@@ -122,6 +122,10 @@ class PrefixPlacement:
     def admitted(self, ps: PoolState, ask: Ask, ticket: Ticket, by: str) -> None:
         """The request is placed on `ticket.backend`: learn and hold its blocks there."""
         self.metrics.placements.labels(ps.name, by).inc()
+        self.hold(ps, ask, ticket)
+
+    def hold(self, ps: PoolState, ask: Ask, ticket: Ticket) -> None:
+        """Learn and hold `ask`'s blocks on `ticket.backend` (soon: see below)."""
         name = ticket.backend.name
         index = self._index(ps, ask, name)
         if index is None:

@@ -131,6 +131,25 @@ class Walk:
         self._done = done
         self.left_chars = sum(len(pieces[j]) for j in range(at, len(pieces)) if j % 2 == 0)
 
+    @property
+    def known_tokens(self) -> int:
+        """The ids of the pieces walked: exact, and a floor of the whole prompt's."""
+        return self._node.tokens
+
+    def known_hashes(self) -> array[int]:
+        """The hashes of the full blocks within the pieces walked: the prompt's first ones."""
+        out = array("q")
+        for part in self._done:
+            out.extend(part)
+        return out
+
+    def bound(self, max_ids: Callable[[str], int]) -> int:
+        """The prompt's tokens at most: those walked, one a special piece left, and each text
+        piece left at most `max_ids` of it."""
+        pieces = self._pieces
+        return self._node.tokens + sum(max_ids(pieces[j]) if j % 2 == 0 else 1
+                                       for j in range(self._at, len(pieces)))
+
     def finish(self) -> tuple[int, array[int]]:
         """The prompt's token count and every full block's hash, learning the new pieces."""
         pieces, at, bs = self._pieces, self._at, self._block_size

@@ -71,6 +71,11 @@ class TokenCount:
     chars: int
     exact: bool
     hashes: Sequence[int] = ()
+    # Counted behind (`measure_chat`'s `behind_chars`): `tokens` is a bound the ids never
+    # pass, `least` a floor, `hashes` those of the blocks known so far; `pending` gives the
+    # exact count and every hash when the worker has them.
+    pending: asyncio.Future[tuple[int, Sequence[int]]] | None = None
+    least: int = 0
 
 
 CompletionPrompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -115,14 +120,14 @@ class TokenCounter:
             raise PromptTooLong(chars, self.max_prompt_chars, param)
 
     async def _off_loop(self, chars: int, caller: str, fn: Any, *args: Any,
-                        **kwargs: Any) -> Any:
+                        may_inline: bool = True, **kwargs: Any) -> Any:
         if not self.tokenizer.exact:
             return fn(*args, **kwargs)  # an estimate is arithmetic: no thread hop needed
         loop = asyncio.get_running_loop()
         inline = self.inline_chars
         if getattr(self.tokenizer, "rank_bpe", None) is not None:
             inline *= RANK_INLINE_FACTOR
-        if chars < inline:
+        if may_inline and chars < inline:
             return fn(*args, **kwargs)
         job = functools.partial(fn, *args, **kwargs)
         if chars < LONG_PROMPT_CHARS:
@@ -145,10 +150,12 @@ class TokenCounter:
         *,
         caller: str = "",
         block_size: int | None = None,
+        behind_chars: int = 0,
     ) -> TokenCount:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError.
         `caller`: whose turn a long prompt takes in the long lane; `block_size`: hash the
-        prompt's blocks too (prefix routing)."""
+        prompt's blocks too (prefix routing); `behind_chars`: from this much new text, answer
+        at once with a bound and count behind (TokenCount.pending), where a bound is known."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
@@ -158,6 +165,14 @@ class TokenCounter:
                 # seen last turn: ~0.1 ms, under the hop to a worker); only what is new, if
                 # it is long, goes off the loop to be encoded and hashed.
                 walk = tok.walk_chat(block_size, messages, tools, **(template_kwargs or {}))
+                rank = tok.rank_bpe  # a byte-level BPE: its ids have a cheap bound
+                if behind_chars and walk.left_chars >= behind_chars and rank is not None:
+                    # The new text goes to a worker while the request goes on with a bound;
+                    # off the loop even where it would be counted inline: nothing waits.
+                    job = asyncio.ensure_future(self._off_loop(
+                        walk.left_chars, caller, walk.finish, may_inline=False))
+                    return TokenCount(walk.bound(rank.max_ids), chars, True,
+                                      walk.known_hashes(), job, walk.known_tokens)
                 tokens, hashes = await self._off_loop(walk.left_chars, caller, walk.finish)
                 return TokenCount(tokens, chars, True, hashes)
             # Ids instead of a count, through the same piece cache, and hashed in the same

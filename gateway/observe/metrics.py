@@ -130,6 +130,13 @@ class GatewayMetrics:
             "1 while the model's prompts are counted by the rank encoder (tiktoken's core, the "
             "Hugging Face encoder's ids), 0 while by the Hugging Face encoder.",
             ["model"], registry=r, multiprocess_mode="livemin")
+        # Long new prompts (server.count_behind_chars): sent on a bound while counted, or the
+        # count waited for where the bound would have decided otherwise.
+        self.counted_behind = Counter(
+            "gateway_prompts_counted_behind_total",
+            "Long new prompts counted behind: sent upstream on a bound of their tokens "
+            "(`sent`), or held for the count where the bound decided otherwise (`waited`).",
+            ["model", "outcome"], registry=r)
         # (generation, seconds, collected) of collections not yet observed; bounded, should
         # no tick come
         self._gc_pauses: deque[tuple[int, float, int]] = deque(maxlen=4096)

@@ -1,0 +1,77 @@
+"""What the stages before admission find of a request (gateway/pipeline.py runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.admission.pool import Ask
+from gateway.affinity import Held
+from gateway.cost import RequestCost
+from gateway.policy import ModelSpec
+from gateway.policy.model import TenantSpec
+from gateway.prompts import Prompt
+from gateway.protocol import Endpoint, ParsedRequest
+from gateway.routing import Route
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: TenantSpec
+    priority: int
+    deadline_s: float | None  # the caller's own limit on queueing
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
+
+    cost: RequestCost
+    sequences: int  # prompts x n: the engine runs each as its own sequence
+
+    @property
+    def blocks(self) -> int:
+        return self.cost.kv_blocks_reserved * self.sequences
+
+    @property
+    def tokens(self) -> int:
+        """Tokens admission expects the request to hold (prompt + the learned output)."""
+        return (self.cost.prompt_tokens + self.cost.expected_output_tokens) * self.sequences
+
+    @property
+    def quota_tokens(self) -> int:
+        """Tokens the tenant's quota reserves: what the request may use (prompt + its
+        `max_tokens`, or the pool's default), not what others' traffic suggests, so that a
+        burst of parallel requests cannot pass the bucket."""
+        return (self.cost.prompt_tokens + self.cost.max_output_tokens) * self.sequences
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request read, counted, routed and estimated: everything admission is asked about."""
+
+    caller: Caller
+    endpoint: Endpoint
+    model: ModelSpec
+    data: dict[str, Any]
+    parsed: ParsedRequest
+    prompt: Prompt
+    route: Route
+    work: Work
+    held: Held | None = None  # the stored response it continues, and where it lives
+    read_at: float = 0.0  # loop time the body was read: the gateway's own work starts here
+    session: str | None = None  # for session affinity: the pool's session header, or `user`
+
+    def ask(self, now: float | None = None) -> Ask:
+        """What admission is asked; `now` (loop time): the time since the body was read (the
+        gateway's reading of it, counting, waiting for the tokenizer) counts as time waited."""
+        t = self.caller.tenant
+        return Ask(self.route.pool, self.work.blocks, self.work.tokens,
+                   priority=self.caller.priority, caller=t.name,
+                   deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
+                   tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,
+                   prompt_tokens=self.prompt.tokens,
+                   backend=self.held.backend if self.held else None,
+                   waited_s=0.0 if now is None else max(0.0, now - self.read_at),
+                   hashes=self.prompt.hashes, hash_block=self.prompt.hash_block,
+                   session=self.session)
