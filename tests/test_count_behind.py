@@ -49,7 +49,7 @@ def test_the_bound_is_never_below_the_count_nor_the_floor_above_it(
                 for k, t in enumerate(texts)]
     first = tok.walk_chat(16, messages)
     bound, least = first.bound(rank.max_ids), first.known_tokens
-    tokens, hashes = first.finish()
+    tokens, _ = first.finish()
     assert least <= tokens <= bound
     # The next turn: the walk knows the history, and its hashes are the prompt's first ones.
     again = tok.walk_chat(16, [*messages, {"role": "user", "content": "and then?"}])
