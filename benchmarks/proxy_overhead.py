@@ -95,6 +95,7 @@ server:
   stage_metrics: {stages}
   inline_tokenize_chars: {inline}
   gc_freeze_interval_s: {freeze}
+  count_behind_chars: {behind}
 defaults:
   slo:
     tpot_p95_s: {tpot}
@@ -865,6 +866,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shipped-nofreeze (Python's own GC thresholds, no heap keeper), "
                         "shipped-hf (the Hugging Face encoder, not the rank encoder), "
                         "shipped-inline8k (prompts under 8,192 characters counted on the loop), "
+                        "shipped-countfirst (every prompt counted before it is sent: "
+                        "server.count_behind_chars 0), shipped-behind4k (from 4,096), "
+                        "shipped-switch1ms (the GIL's switch interval 1 ms), "
                         "aiohttp, "
                         "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
@@ -939,14 +943,16 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages, inline, freeze, encoder in (
-                ("floor", FLOOR, "true", 512, 0.1, "auto"),
-                ("shipped", SHIPPED, "true", 512, 0.1, "auto"),
-                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto"),
-                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto"),
-                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto"),
-                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface"),
-                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto")):
+        for kind, fields, stages, inline, freeze, encoder, behind in (
+                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024),
+                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024),
+                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024),
+                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024),
+                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024),
+                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024),
+                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024),
+                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0),
+                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096)):
             policies[kind] = work / f"policy-{kind}.yaml"
             # The SLO the planner derives the latency guard from: the default 60 ms per token,
             # or twice the stub's token interval when --itl-ms is longer, so the guard does
@@ -955,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
             policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url, tpot=tpot,
                                                     stages=stages, inline=inline,
                                                     freeze=freeze, encoder=encoder,
+                                                    behind=behind,
                                                     **fields))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
@@ -965,8 +972,11 @@ def main(argv: list[str] | None = None) -> int:
 
         start_gc_gateway = None
         for name in wanted:
-            if name in ("shipped", "shipped-nostages", "shipped-noinline", "shipped-nofreeze",
-                        "shipped-hf", "shipped-inline8k"):
+            if name == "shipped-switch1ms":  # the GIL handed over every 1 ms, not 5
+                proc = stack.enter_context(gateway(name, {"GATEWAY_SWITCH_INTERVAL_S": "0.001"},
+                                                   kind="shipped"))
+                targets.append(Target(name, proc.url, proc, metrics=True))
+            elif name in policies and name.startswith("shipped"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
             elif name == "gateway":

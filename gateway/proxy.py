@@ -13,6 +13,7 @@ several waiters, encode/httpcore#822), while aiohttp relays >20x the chunks/s pe
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import re
@@ -192,6 +193,14 @@ class Forwarder:
             self.backends.record_failure(backend, "timeout", "connect timeout")
             forget(exc)
             return None, "connect timeout"
+        except aiohttp.ClientError as exc:
+            # Reset or broken once the request was sent, before any answer (an engine killed
+            # on it): it may have started there, so no other backend is given it.
+            self.backends.record_failure(backend, "disconnect", _describe(exc))
+            public = _public(exc)
+            forget(exc)
+            raise UpstreamError(f"The engine `{backend.name}` broke off before answering "
+                                f"({public}).", backend=backend.name) from None
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
                      resp: aiohttp.ClientResponse, send: Send) -> None:
@@ -430,6 +439,8 @@ def _public(exc: BaseException) -> str:
         return "connection refused or unreachable"
     if isinstance(exc, aiohttp.ClientPayloadError):
         return "the answer was cut off"
+    if isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET:
+        return "the engine reset the connection"
     return "connection error"
 
 

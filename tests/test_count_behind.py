@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import http, metric, openai_client, quiet, scrape
+from tests.servers import http, metric, openai_client, poll_metric, quiet, scrape
 
 PROSE = ("The gearbox of part {n} needs bolts of size M6 and a torque of 25 newton metres; "
          "check the seal before the housing is closed. ")
@@ -24,10 +23,11 @@ PROSE = ("The gearbox of part {n} needs bolts of size M6 and a torque of 25 newt
 def _prose(chars: int) -> str:
     """English-like text new to every gateway (a serial in each sentence), ~4 chars a token."""
     tag = uuid.uuid4().hex[:8]
-    out = []
-    n = 0
-    while sum(map(len, out)) < chars:
+    out: list[str] = []
+    size = n = 0
+    while size < chars:
         out.append(PROSE.format(n=f"{tag}-{n}"))
+        size += len(out[-1])
         n += 1
     return "".join(out)
 
@@ -120,23 +120,31 @@ def test_where_the_bound_decides_otherwise_the_count_is_waited_for(
 
 def test_a_caller_gone_before_the_count_lands_leaves_nothing_booked(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
-    """A prompt whose count takes a while (120,000 characters of new text, the most counted
-    behind: WALK_ON_LOOP_CHARS), the caller gone at once: the count is dropped, the
-    reservation released, nothing held; the next request is served."""
-    with start_sim() as s0, start_gateway(policy_yaml(
-            [s0.url]).replace("max_model_len: 8192", "max_model_len: 200000")) as gw:
-        body = json.dumps({"model": "test-model", "max_tokens": 4, "stream": True,
-                           "messages": [{"role": "user", "content": _prose(120_000)}]})
+    """Three prompts whose counts take a while (40,000 characters of new text each; one
+    caller, so they take turns in the long lane), their callers gone as soon as each is sent
+    upstream or held for its count: the counts still to come are dropped, the reservations
+    released, nothing held; the next request is served."""
+    with start_sim("--max-model-len", "65536") as s0, start_gateway(policy_yaml(
+            [s0.url]).replace("max_model_len: 8192", "max_model_len: 65536")) as gw:
         host, port = gw.url.removeprefix("http://").split(":")
+        socks = []
         for _ in range(3):
-            with socket.create_connection((host, int(port))) as sock:
-                sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                             f"content-type: application/json\r\n"
-                             f"content-length: {len(body)}\r\n\r\n{body}".encode())
-                time.sleep(0.01)
+            body = json.dumps({"model": "test-model", "max_tokens": 4, "stream": True,
+                               "messages": [{"role": "user", "content": _prose(40_000)}]})
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         f"content-type: application/json\r\n"
+                         f"content-length: {len(body)}\r\n\r\n{body}".encode())
+            socks.append(sock)
+        # The first goes on its bound; the others may wait for their counts (the bounds of
+        # those before them booked): gone either way.
+        samples = poll_metric(gw.url, "gateway_prompts_counted_behind_total",
+                              lambda v: v >= 3, timeout=20)
+        for sock in socks:
+            sock.close()
+        assert metric(samples, "gateway_prompts_counted_behind_total", outcome="sent") >= 1
         samples = quiet(gw.url, timeout=30)
         assert metric(samples, "gateway_kv_blocks_reserved") == 0
-        assert metric(samples, "gateway_prompts_counted_behind_total", outcome="sent") == 3
         raw = openai_client(gw.url).chat.completions.with_raw_response.create(
             model="test-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert raw.parse().usage is not None

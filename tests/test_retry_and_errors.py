@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import re
+import socket
+import struct
 import time
 from collections.abc import Iterator
 
@@ -306,6 +308,12 @@ class VllmLike(StandIn):
             return web.json_response({"detail": "Not Found"}, status=404)
         if what == "text":
             return web.Response(status=400, text="plain words")
+        if what == "reset":  # the engine dies on the request, before any answer: an RST
+            assert req.transport is not None
+            sock = req.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            req.transport.abort()
+            return web.Response()
         if what == "busy":
             return web.Response(status=503, content_type="application/json",
                                 body=self.vllm_error("Engine busy.", "ServiceUnavailableError",
@@ -402,6 +410,20 @@ def test_stream_cut_by_the_engine_ends_with_our_error_event(via: Server) -> None
     frame = next(e for e in body.split(b"\n\n") if e.startswith(b'data: {"error"'))
     error = assert_openai_shape(json.loads(frame[len(b"data: "):])["error"], "server_error")
     assert error["code"] == "upstream_error"
+
+
+def test_connection_reset_before_the_answer_is_a_502_not_a_500(
+        engine: VllmLike, via: Server) -> None:
+    """An engine killed on a request (seen with llama.cpp under SIGKILL): the connection reset
+    before any answer. It may have started on it, so no other backend gets it: a 502 naming
+    the engine, in OpenAI's shape."""
+    got, headers, body = chat(via, "reset")
+    assert got == 502, body
+    assert headers["x-gateway-backend"] == "e0"
+    error = assert_openai_shape(json.loads(body)["error"], "server_error")
+    assert "e0" in error["message"] and "reset" in error["message"], error
+    assert engine.hits == 1
+    quiet(via.url)
 
 
 def test_our_own_refusals_all_in_openai_shape(engine: VllmLike,

@@ -14,18 +14,30 @@ rebooking under way, so the two never interleave.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gateway.admission.capacity import UNKNOWN_CAPACITY_BLOCKS
+from gateway.admission.capacity import UNKNOWN_CAPACITY_BLOCKS, Capacity
 from gateway.admission.decision import reservation_blocks
-from gateway.admission.pool import Ask, Ticket
-from gateway.state import Lease, Limits, StateError
+from gateway.admission.pool import Ask, PoolState, Ticket
+from gateway.admission.prefixes import PrefixPlacement
+from gateway.observe.metrics import GatewayMetrics
+from gateway.routing import PrefixRule
+from gateway.state import Lease, Limits, StateBackend, StateError
 
-if TYPE_CHECKING:
-    from gateway.admission.controller import Admission
+
+class Books(Protocol):
+    """What of admission (gateway/admission/controller.py) a rebooking reads and writes."""
+
+    pools: dict[str, PoolState]
+    rules: dict[str, PrefixRule | None]
+    prefix: PrefixPlacement
+    capacity: Capacity
+    metrics: GatewayMetrics
+    state: StateBackend
+    live: dict[str, tuple[StateBackend, Lease]]
 
 
-async def rebook(adm: Admission, ticket: Ticket, ask: Ask) -> None:
+async def rebook(adm: Books, ticket: Ticket, ask: Ask) -> None:
     ps = adm.pools[ticket.pool]
     name = ticket.backend.name
     old = ticket.lease

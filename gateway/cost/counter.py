@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from gateway.cost.errors import PromptTooLong, RequestCostError
 from gateway.cost.estimator import chat_chars
 from gateway.cost.memory import trim
+from gateway.cost.threads import below_the_loop
 from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.prefix.hashing import block_hashes
 
@@ -100,10 +101,11 @@ class TokenCounter:
             # the CPU as well as the GIL (benchmarks/tokenize_bench.py: 1 vs 2 threads on 2 CPUs).
             workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self._executor = executor or ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix=f"tokenize-{tokenizer.name}"
-        )
+            max_workers=workers, thread_name_prefix=f"tokenize-{tokenizer.name}",
+            initializer=below_the_loop)
         self._long = ThreadPoolExecutor(max_workers=1,
-                                        thread_name_prefix=f"tokenize-long-{tokenizer.name}")
+                                        thread_name_prefix=f"tokenize-long-{tokenizer.name}",
+                                        initializer=below_the_loop)
         # caller -> (its turn in the long lane, how many of its prompts hold or await it)
         self._turns: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 

@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 
 from gateway.cost.memory import trim
+from gateway.cost.threads import below_the_loop
 
 log = logging.getLogger("gateway.cost")
 
@@ -150,7 +151,8 @@ class RankBPE:
 _BUILT: dict[tuple[str, int, int], tuple[RankBPE | None, str]] = {}
 _BUILD_LOCK = threading.Lock()
 # Where the canary's samples are encoded again (its thread starts at the first sample).
-_CANARY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-bpe-canary")
+_CANARY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-bpe-canary",
+                             initializer=below_the_loop)
 
 
 class RankSlot:
@@ -234,6 +236,9 @@ class RankSlot:
                       len(text))
 
     def _build(self) -> None:
+        # Below the loop, like the counting threads: the Hugging Face encoder's thread pool,
+        # made at its first use (often the probe here), takes the priority of its maker.
+        below_the_loop()
         with _BUILD_LOCK:  # one build at a time; the same file's is built once
             found = _BUILT.get(self._source) if self._source is not None else None
             if found is None:

@@ -320,7 +320,7 @@ class ServerSpec(Strict):
     # bound decides as the count would (route, context, admission; no token quota), and is
     # counted behind, its reservation cut to the count when it lands (gateway/pipeline.py).
     # 0: every prompt counted before it is sent.
-    count_behind_chars: Annotated[int, Field(ge=0)] = 4096
+    count_behind_chars: Annotated[int, Field(ge=0)] = 1024
     # Garbage collection (gateway/serving/heap.py): every this many seconds what survived is
     # frozen out of later collections (0: off, Python's own thresholds over the whole heap);
     # every gc_sweep_interval_s everything is unfrozen and collected once in full.
