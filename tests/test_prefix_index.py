@@ -7,6 +7,7 @@ from array import array
 
 from gateway.prefix import ROOT_HASH, IndexMode, PrefixIndex, PrefixIndexes, block_hashes
 from gateway.prefix.hashing import chain_hash
+from gateway.prefix.index import SHARD_BLOCKS
 from loadtest.sim import prompts as sim_prompts
 from loadtest.sim.kvcache import KVCacheManager
 from loadtest.sim.scheduler import SimRequest
@@ -62,9 +63,9 @@ def test_match_counts_leading_blocks_and_is_pure() -> None:
     assert index.match([1, 2, 3, 4]) == 3
     assert index.match([1, 9, 3]) == 1
     assert index.match([]) == 0
-    before = list(index._blocks)
+    before = list(index._tables[0])
     index.match([3, 2, 1])
-    assert list(index._blocks) == before
+    assert list(index._tables[0]) == before
 
 
 def test_lru_ages_tails_first_and_keeps_shared_prefix() -> None:
@@ -76,6 +77,31 @@ def test_lru_ages_tails_first_and_keeps_shared_prefix() -> None:
     assert index.match([1, 2]) == 2
     assert len(index) == 5 and index.evicted == 1
     assert 3 not in index  # conversation 1's tail was the least recently used
+
+
+def test_a_large_index_is_cut_into_tables_each_aged_on_its_own() -> None:
+    """Over SHARD_BLOCKS blocks an index is several tables by hash (a whole-table rehash
+    would hold the loop for ~340 ms at 1M blocks): within its capacity, the most recent
+    prompts kept whole and the oldest gone, and a resize that changes the tables keeps that."""
+    rng = random.Random(7)
+    index = PrefixIndex(capacity_blocks=8 * SHARD_BLOCKS)
+    assert len(index._tables) == 8
+    prompts = [[rng.getrandbits(63) - 2**62 for _ in range(64)] for _ in range(6_000)]
+    for p in prompts:
+        index.store(p)
+    assert len(index) == 8 * SHARD_BLOCKS
+    assert index.evicted == 6_000 * 64 - 8 * SHARD_BLOCKS
+    assert all(index.match(p) == 64 for p in prompts[-100:])
+    assert all(index.match(p) == 0 for p in prompts[:100])
+    index.resize(2 * SHARD_BLOCKS)
+    assert len(index._tables) == 2 and len(index) == 2 * SHARD_BLOCKS
+    assert all(index.match(p) == 64 for p in prompts[-100:])
+    assert sum(index.match(p) for p in prompts[:4_000]) == 0
+    # Precise mode across tables: the engine's hashes find their blocks in any of them.
+    engine = [h + 1 for h in prompts[-1]]
+    index.store(prompts[-1], engine_hashes=engine)
+    assert index.gateway_hash(engine[5]) == prompts[-1][5]
+    assert index.remove_engine(engine) == 64 and index.match(prompts[-1]) == 0
 
 
 def test_remove_and_clear() -> None:
