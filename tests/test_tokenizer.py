@@ -21,6 +21,7 @@ from gateway.cost import (
     load_tokenizer,
     openai_messages,
 )
+from gateway.cost.pieces import TABLE_CHARS, PieceCache
 from gateway.cost.tokenizer import builtin_qwen3_dir
 
 transformers = pytest.importorskip("transformers")
@@ -182,7 +183,21 @@ def test_cache_is_bounded() -> None:
     assert isinstance(small, HFTokenizer)
     for i in range(50):
         small.count_chat([{"role": "user", "content": f"message number {i} " * 10}])
-    assert small.cache._chars <= 1000
+    assert sum(small.cache._chars) <= 1000
+
+
+def test_a_large_cache_is_cut_into_tables_each_within_its_share() -> None:
+    """A cache of many table shares (gateway/cost/pieces.py: a whole-table rehash holds the
+    loop): every table within its share, the recent pieces kept, the oldest gone."""
+    cache = PieceCache(8 * TABLE_CHARS)
+    assert len(cache._tables) == 8
+    pieces = [f"turn {i}: " + "x" * 200 for i in range(100_000)]  # ~21M characters
+    for p in pieces:
+        cache.put(p, len(p))
+    assert all(c <= TABLE_CHARS for c in cache._chars)
+    assert sum(cache._chars) > 7 * TABLE_CHARS
+    assert all(cache.get(p) == len(p) for p in pieces[-1000:])
+    assert all(cache.get(p) is None for p in pieces[:1000])
 
 
 def test_load_from_directory_and_file_paths(ours: HFTokenizer) -> None:

@@ -11,6 +11,13 @@ import threading
 from array import array
 from collections import OrderedDict
 
+# Characters in one LRU table at most. One OrderedDict of every piece would rehash whole on the
+# event loop (a conversation's short turns: a million entries of 30 characters, ~300 ms; see
+# gateway/prefix/index.py); cut by hash, each table aged out on its own, a table of short pieces
+# holds some 30,000. A piece longer than a table's share (1M characters, ~250K tokens) is not
+# kept: encoded each time.
+TABLE_CHARS = 1_048_576
+
 
 class PieceCache:
     """Bounded LRU of rendered-text piece -> token count, or its token ids, safe across worker
@@ -24,33 +31,40 @@ class PieceCache:
     """
 
     def __init__(self, max_chars: int) -> None:
-        self._max_chars = max_chars
-        self._chars = 0
-        self._entries: OrderedDict[tuple[int, int], int | array[int]] = OrderedDict()
+        n = 1
+        while n * TABLE_CHARS < max_chars:
+            n *= 2
+        self._mask = n - 1
+        self._max_chars = -(-max_chars // n)  # a table's share
+        self._chars = [0] * n
+        self._tables: list[OrderedDict[tuple[int, int], int | array[int]]] = [
+            OrderedDict() for _ in range(n)]
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get(self, piece: str) -> int | None:
         key = (hash(piece), len(piece))
+        table = self._tables[key[0] & self._mask]
         with self._lock:
-            found = self._entries.get(key)
+            found = table.get(key)
             if found is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            table.move_to_end(key)
             self.hits += 1
             return found if isinstance(found, int) else len(found)
 
     def get_ids(self, piece: str) -> array[int] | None:
         """The piece's ids, when they were kept (a count alone is a miss here)."""
         key = (hash(piece), len(piece))
+        table = self._tables[key[0] & self._mask]
         with self._lock:
-            found = self._entries.get(key)
+            found = table.get(key)
             if found is None or isinstance(found, int):
                 self.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            table.move_to_end(key)
             self.hits += 1
             return found
 
@@ -58,16 +72,19 @@ class PieceCache:
         key = (hash(piece), len(piece))
         if len(piece) > self._max_chars:
             return
+        t = key[0] & self._mask
+        table = self._tables[t]
         with self._lock:
-            if key not in self._entries:
-                self._chars += len(piece)
-            self._entries[key] = count
-            self._entries.move_to_end(key)
-            while self._chars > self._max_chars:
-                (_, length), _ = self._entries.popitem(last=False)
-                self._chars -= length
+            if key not in table:
+                self._chars[t] += len(piece)
+            table[key] = count
+            table.move_to_end(key)
+            while self._chars[t] > self._max_chars:
+                (_, length), _ = table.popitem(last=False)
+                self._chars[t] -= length
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self._chars = 0
+            for table in self._tables:
+                table.clear()
+            self._chars = [0] * len(self._tables)
