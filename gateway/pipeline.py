@@ -39,11 +39,9 @@ from gateway.errors import GatewayError, InternalError, InvalidRequest, Upstream
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
 from gateway.policy import ModelSpec
-from gateway.prepared import Caller, Prepared, Work
-from gateway.profiles import ModelProfile, get_model
+from gateway.prepared import Caller, Prepared, Work, is_embedding, profile_of
 from gateway.prompts import Prompt, count_prompt
 from gateway.protocol import (
-    EmbeddingsRequest,
     Endpoint,
     ParsedRequest,
     ResponsesRequest,
@@ -60,7 +58,6 @@ from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.api")
 
-_FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
 # The stages timed into gateway_request_stage_seconds, in the order a request meets them;
 # `queue` is the admission queue's wait, `admission` the decision and reservation without it.
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
@@ -291,6 +288,7 @@ class Pipeline:
         behind: asyncio.Task[Prepared] | None = None
         pending: asyncio.Future[Prompt] | None = None
         forward_start = 0.0
+        refused = False  # answered with an error (and counted) before a record was made
         task = asyncio.current_task()
         try:
             p = await self.prepare(inbound, client, on_read, timed=True)
@@ -341,8 +339,10 @@ class Pipeline:
         except ClientGone:
             pass
         except GatewayError as err:
+            refused = True
             await self._refused(inbound, client, record, err)
         except Exception:
+            refused = True
             log.exception("unexpected error in request %s", inbound.request_id)
             await self._refused(inbound, client, record, InternalError(
                 f"Internal gateway error (request id {inbound.request_id})."))
@@ -359,6 +359,10 @@ class Pipeline:
                                                                        client.gone)))
         if record is not None:
             self.observe(record, client.gone, forward_start)
+        elif client.gone and not refused:  # left before it went upstream: counted all the same
+            rt.metrics.request_done("", "", 499)
+            log_rejection(inbound.request_id, inbound.endpoint or "", 499,
+                          "The caller closed the connection before its request was sent on.")
 
     def _upstream_body(self, p: Prepared) -> tuple[bytes, bool]:
         """The body the engine gets: the pool's model name, and a usage frame asked for."""
@@ -481,14 +485,6 @@ class Pipeline:
 
 
 # --- helpers of the stages ----------------------------------------------------------------------
-
-def profile_of(model: ModelSpec) -> ModelProfile:
-    return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
-
-
-def is_embedding(parsed: ParsedRequest) -> bool:
-    return isinstance(parsed, EmbeddingsRequest)
-
 
 def _no_lap(stage: str, since: float) -> float:
     return since

@@ -10,9 +10,12 @@ from gateway.affinity import Held
 from gateway.cost import RequestCost
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
+from gateway.profiles import ModelProfile, get_model
 from gateway.prompts import Prompt
-from gateway.protocol import Endpoint, ParsedRequest
+from gateway.protocol import EmbeddingsRequest, Endpoint, ParsedRequest
 from gateway.routing import Route
+
+_FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +78,11 @@ class Prepared:
                    waited_s=0.0 if now is None else max(0.0, now - self.read_at),
                    hashes=self.prompt.hashes, hash_block=self.prompt.hash_block,
                    session=self.session)
+
+
+def profile_of(model: ModelSpec) -> ModelProfile:
+    return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
+
+
+def is_embedding(parsed: ParsedRequest) -> bool:
+    return isinstance(parsed, EmbeddingsRequest)

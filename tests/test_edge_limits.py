@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import ROOT, Server, bearer, free_port, gateway_cmd, http
+from tests.servers import ROOT, Server, bearer, free_port, gateway_cmd, http, poll_metric
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "test-model", "max_tokens": 4,
@@ -184,6 +184,23 @@ def test_slow_and_idle_connections_are_closed(start_gateway: StartGateway) -> No
 
 
 # --- paths and bodies ---------------------------------------------------------------------
+
+
+def test_a_caller_gone_mid_body_is_counted_and_logged_as_499(
+        start_gateway: StartGateway) -> None:
+    """A caller that leaves before its request goes upstream (here mid-body) was in no metric
+    and no access log line: now a 499, as one that leaves later is."""
+    with start_gateway(policy_yaml([f"http://127.0.0.1:{free_port()}"])) as gw:
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                      b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                      b'{"model": "test-model", ')
+            time.sleep(0.3)
+        poll_metric(gw.url, "gateway_requests_total", lambda v: v == 1, status="499")
+        deadline = time.monotonic() + 5  # the access log is written in batches
+        while '"status":499' not in gw.log_path.read_text():
+            assert time.monotonic() < deadline, gw.log_path.read_text()
+            time.sleep(0.1)
 
 
 def test_trailing_slash_is_404_and_compressed_bodies_415(

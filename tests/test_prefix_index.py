@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from array import array
 
+from gateway.admission.capacity import UNKNOWN_CAPACITY_BLOCKS
 from gateway.prefix import ROOT_HASH, IndexMode, PrefixIndex, PrefixIndexes, block_hashes
 from gateway.prefix.hashing import chain_hash
-from gateway.prefix.index import SHARD_BLOCKS
+from gateway.prefix.index import MAX_TABLES, SHARD_BLOCKS
 from loadtest.sim import prompts as sim_prompts
 from loadtest.sim.kvcache import KVCacheManager
 from loadtest.sim.scheduler import SimRequest
@@ -102,6 +103,16 @@ def test_a_large_index_is_cut_into_tables_each_aged_on_its_own() -> None:
     index.store(prompts[-1], engine_hashes=engine)
     assert index.gateway_hash(engine[5]) == prompts[-1][5]
     assert index.remove_engine(engine) == 64 and index.match(prompts[-1]) == 0
+
+
+def test_an_unknown_capacity_makes_at_most_max_tables() -> None:
+    """Admission's stand-in for a capacity not known yet is ~2^31 blocks: an index of it was
+    2^18 tables, made at start-up for a llama.cpp pool (the gateway never came up)."""
+    index = PrefixIndex(UNKNOWN_CAPACITY_BLOCKS)
+    assert len(index._tables) == MAX_TABLES
+    index.store([1, 2, 3])
+    index.resize(100)
+    assert len(index._tables) == 1 and index.match([1, 2, 3]) == 3
 
 
 def test_remove_and_clear() -> None:

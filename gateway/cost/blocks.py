@@ -54,7 +54,7 @@ class BlockChains:
     def __init__(self, max_nodes: int = DEFAULT_MAX_NODES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         n = 1
-        while n * SHARD_BLOCKS < max_nodes:
+        while n * SHARD_BLOCKS < max_nodes and n < 256:
             n *= 2
         self._mask = n - 1
         self._max_nodes = -(-max_nodes // n)  # a table's share

@@ -32,7 +32,7 @@ class PieceCache:
 
     def __init__(self, max_chars: int) -> None:
         n = 1
-        while n * TABLE_CHARS < max_chars:
+        while n * TABLE_CHARS < max_chars and n < 256:
             n *= 2
         self._mask = n - 1
         self._max_chars = -(-max_chars // n)  # a table's share

@@ -41,6 +41,9 @@ class IndexMode(enum.Enum):
 # which for hashes spread evenly is the LRU of the whole to within a table's share. Worst step
 # then: 1.7, 2.6 and 5.9 ms (tables fill at one rate, so several rehash in one step).
 SHARD_BLOCKS = 8_192
+# A capacity that is not known reads as a very large one (admission's UNKNOWN_CAPACITY_BLOCKS):
+# past this many tables each may grow beyond SHARD_BLOCKS, which a real index rarely reaches.
+MAX_TABLES = 256
 
 
 class PrefixIndex:
@@ -61,11 +64,12 @@ class PrefixIndex:
         self.evicted = 0  # blocks aged out (either mode)
 
     def _shape(self, capacity: int) -> None:
-        """Tables enough that none holds more than SHARD_BLOCKS (a power of two of them). A new
+        """Tables enough that none holds more than SHARD_BLOCKS (a power of two of them, at most
+        MAX_TABLES). A new
         count re-deals the blocks (once: engines' capacities do not move), merged by their
         place in their table's order, so the oldest still go first."""
         n = 1
-        while n * SHARD_BLOCKS < capacity:
+        while n * SHARD_BLOCKS < capacity and n < MAX_TABLES:
             n *= 2
         self._table_cap = -(-capacity // n)
         if n == len(self._tables):
