@@ -293,8 +293,7 @@ class Pipeline:
         try:
             p = await self.prepare(inbound, client, on_read, timed=True)
             pending = p.prompt.pending
-            tenant = p.caller.tenant
-            if pending is not None and (tenant.tokens_per_minute or tenant.tokens_per_day):
+            if pending is not None and rt.quotas.applies(p.caller.tenant):
                 p = await self._counted(p)  # a quota is charged on the count, never a bound
             lap = self._lap if self._timed else _no_lap
             t = self.loop_time()

@@ -121,8 +121,13 @@ class Quotas:
         self.state = state
         self.metrics = metrics
 
+    @staticmethod
+    def applies(tenant: TenantSpec) -> bool:
+        """Whether `take` charges this tenant anything (it has a token quota)."""
+        return bool(tenant.tokens_per_minute or tenant.tokens_per_day)
+
     async def take(self, tenant: TenantSpec, tokens: int, pool: str) -> QuotaTicket | None:
-        if not (tenant.tokens_per_minute or tenant.tokens_per_day):
+        if not self.applies(tenant):
             return None
         try:
             ticket = await take_quota(self.state, tenant, tokens, enforce=not tenant.shadow)
