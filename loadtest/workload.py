@@ -438,8 +438,12 @@ class PromptBuilder:
 
 
 def load_prompt_tokenizer(spec: str) -> Tokenizer:
+    # The Hugging Face encoder: the load generator counts a prompt's overhead once and never on
+    # its timed path, and the gateway's rank encoder would start its build in a thread at the
+    # first count, holding the GIL for ~0.4 s inside the first step of a run (a sweep's first
+    # request measured 423 ms to its first token against 39 ms, and failed its SLO).
     try:
-        return load_tokenizer(spec)
+        return load_tokenizer(spec, encoder="huggingface")
     except Exception as exc:  # TokenizerError and the loaders' own: one message either way
         raise WorkloadError(f"--tokenizer {spec!r}: {exc}") from None
 
