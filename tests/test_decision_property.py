@@ -143,7 +143,8 @@ async def build(pool: Pool, ask: Ask) -> tuple[Admission, Clock]:
             lease_ask = Ask("p", blocks, blocks * 16, tenant="a" if i == 0 else "c",
                             prompt_tokens=blocks * 8, hashes=shared, hash_block=16)
             await adm._reserve(ps, lease_ask, backend, force=True)
-        await asyncio.sleep(0)  # their blocks are held once the loop turns (admission/prefixes)
+        for _ in range(2):  # blocks are held two turns of the loop later (admission/prefixes)
+            await asyncio.sleep(0)
         index = adm.prefix.indexes.get("p", backend.name)
         assert index is not None
         index.clear()  # what the held requests stored: the index holds what `cached` says

@@ -462,7 +462,8 @@ pools:
         ask = Ask("p", blocks=110, tokens=1800, prompt_tokens=1600, hashes=hashes,
                   hash_block=16)
         first = await adm.admit(ask)
-        await asyncio.sleep(0)  # its blocks are held once the loop turns (admission/prefixes)
+        for _ in range(2):  # blocks are held two turns of the loop later (admission/prefixes)
+            await asyncio.sleep(0)
         index = adm.prefix.indexes.get("p", first.backend.name)
         assert index is not None and len(index) == 0  # precise: nothing learnt from traffic
         view = adm.view(ask)
