@@ -17,6 +17,7 @@ import errno
 import logging
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,7 @@ class Relay:
     attempts: int = 0
     response_started: bool = False
     response_id: str | None = None  # a Responses API answer's id, to find its backend later
-    headers_at: float | None = None  # loop time the engine's answer headers came
+    headers_at: float | None = None  # when the engine's answer headers came (STAGE_CLOCK)
     error: str = ""
     upstream_headers: dict[str, str] = field(default_factory=dict)
 
@@ -129,7 +130,7 @@ class Forwarder:
             backend.outstanding += 1
             try:
                 resp, failure = await self._open(up, backend)
-                ex.headers_at = self.loop.time()
+                ex.headers_at = time.perf_counter()  # pipeline.STAGE_CLOCK
                 if resp is None:  # connect failure: nothing reached the engine; try another
                     last_error = f"`{backend.name}`: {failure}"
                     continue

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import http_error
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
-from gateway.pipeline import Inbound, Pipeline
+from gateway.pipeline import STAGE_CLOCK, Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import ClientGone
 from gateway.runtime import Runtime, runtime_of
@@ -43,7 +43,8 @@ def new_request_id() -> str:
 def inbound(scope: Scope, endpoint: Endpoint | None) -> Inbound:
     headers = _headers(scope)
     request_id = _valid_request_id(headers.get(b"x-request-id")) or new_request_id()
-    return Inbound(endpoint, request_id, asyncio.get_running_loop().time(), headers)
+    return Inbound(endpoint, request_id, asyncio.get_running_loop().time(), STAGE_CLOCK(),
+                   headers)
 
 
 class AsgiClient:
