@@ -59,11 +59,11 @@ from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.api")
 
-# The stages timed into gateway_request_stage_seconds, in the order a request meets them;
-# `queue` is the admission queue's wait, `admission` the decision and reservation without it.
 # The stage budget's clock: stages take tens of microseconds, and uvloop's loop time moves in
 # whole milliseconds (uv_now), so with it each stage read 0 or 1 ms and only the mean was right.
 STAGE_CLOCK = time.perf_counter
+# The stages timed into gateway_request_stage_seconds, in the order a request meets them;
+# `queue` is the admission queue's wait, `admission` the decision and reservation without it.
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 Headers = Mapping[bytes, bytes]
