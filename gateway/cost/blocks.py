@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.prefix.hashing import ROOT_HASH, block_hashes
+from gateway.prefix.index import table_count
 
 # What the trie keeps: nodes and the block hashes in them (8 bytes each, so 1M blocks are 8 MB,
 # 16M tokens of history at 16 tokens a block).
@@ -53,9 +54,7 @@ class BlockChains:
 
     def __init__(self, max_nodes: int = DEFAULT_MAX_NODES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
-        n = 1
-        while n * SHARD_BLOCKS < max_nodes and n < 256:
-            n *= 2
+        n = table_count(max_nodes, SHARD_BLOCKS)
         self._mask = n - 1
         self._max_nodes = -(-max_nodes // n)  # a table's share
         self._max_blocks = -(-max_blocks // n)

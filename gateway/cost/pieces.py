@@ -11,6 +11,8 @@ import threading
 from array import array
 from collections import OrderedDict
 
+from gateway.prefix.index import table_count
+
 # Characters in one LRU table at most. One OrderedDict of every piece would rehash whole on the
 # event loop (a conversation's short turns: a million entries of 30 characters, ~300 ms; see
 # gateway/prefix/index.py); cut by hash, each table aged out on its own, a table of short pieces
@@ -31,9 +33,7 @@ class PieceCache:
     """
 
     def __init__(self, max_chars: int) -> None:
-        n = 1
-        while n * TABLE_CHARS < max_chars and n < 256:
-            n *= 2
+        n = table_count(max_chars, TABLE_CHARS)
         self._mask = n - 1
         self._max_chars = -(-max_chars // n)  # a table's share
         self._chars = [0] * n

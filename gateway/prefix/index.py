@@ -46,6 +46,16 @@ SHARD_BLOCKS = 8_192
 MAX_TABLES = 256
 
 
+def table_count(size: int, per_table: int) -> int:
+    """How many LRU tables keep `size` entries at most `per_table` each: a power of two (a
+    hash's low bits pick its table), at most MAX_TABLES. The block trie and the piece cache
+    (gateway/cost) are cut by the same rule."""
+    n = 1
+    while n * per_table < size and n < MAX_TABLES:
+        n *= 2
+    return n
+
+
 class PrefixIndex:
     """A backend's cached blocks: gateway hash -> the engine's hash (None in approximate mode),
     in least-recently-used order (oldest first) within each of its tables."""
@@ -68,9 +78,7 @@ class PrefixIndex:
         MAX_TABLES). A new
         count re-deals the blocks (once: engines' capacities do not move), merged by their
         place in their table's order, so the oldest still go first."""
-        n = 1
-        while n * SHARD_BLOCKS < capacity and n < MAX_TABLES:
-            n *= 2
+        n = table_count(capacity, SHARD_BLOCKS)
         self._table_cap = -(-capacity // n)
         if n == len(self._tables):
             return
