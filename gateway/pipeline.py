@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -52,16 +51,13 @@ from gateway.protocol import (
     parse_request,
     set_header,
 )
-from gateway.proxy import ClientGone, Relay, Send, Upstream
+from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.api")
 
-# The stage budget's clock: stages take tens of microseconds, and uvloop's loop time moves in
-# whole milliseconds (uv_now), so with it each stage read 0 or 1 ms and only the mean was right.
-STAGE_CLOCK = time.perf_counter
 # The stages timed into gateway_request_stage_seconds, in the order a request meets them;
 # `queue` is the admission queue's wait, `admission` the decision and reservation without it.
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")

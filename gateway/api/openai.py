@@ -22,9 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import http_error
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
-from gateway.pipeline import STAGE_CLOCK, Inbound, Pipeline
+from gateway.pipeline import Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
-from gateway.proxy import ClientGone
+from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
 
 _JSON = (b"content-type", b"application/json")
