@@ -73,8 +73,9 @@ SLO = {"ttft": SLO_REAL[0] * TIME_SCALE, "tpot": SLO_REAL[1] * TIME_SCALE}
 OUTPUT_CAP = 32             # output tokens: decode is not what prefix caching changes
 HASH_BLOCK = 512            # Mooncake's hash ids each stand for 512 prompt tokens
 VOCAB = (1_000, 150_000)    # token ids drawn from here (Qwen's vocabulary is 151K)
-EPSILON = 0.1               # the bound's router: engines within 1.1 x the mean load ...
-SLACK_TOKENS = 8192         # ... or the mean + this (routing.py's slack: low load never splits)
+# The bound's router, as the issue defines it (not the gateway's rule, which ranks by cost):
+EPSILON = 0.1               # engines within 1.1 x the mean load ...
+SLACK_TOKENS = 8192         # ... or the mean + this (low load never splits a conversation)
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,18 @@ one), by `prefix_order`; where nothing is reserved (admission off, the static ru
 after a connect failure) the backend with the fewest requests in flight from this gateway wins
 (`least_outstanding`).
 
-`prefix_order` scores each backend by the share of the prompt it would serve from its prefix
-cache against its load (share of its KV limit reserved, its prefill backlog against the pool's
-largest), as llm-d's prefix and load scorers add up, and bounds the imbalance the way SGLang's
-cache-aware router and consistent hashing with bounded loads do: a backend that would hold more
-than (1 + epsilon) x the mean in-flight tokens after taking the request (and more than the
-mean + a slack, so that low load does not split conversations) is only tried after every
-backend within the bound, unless it is the least loaded itself. So a hot prefix spreads
-over more replicas as it loads one, and a conversation stays where its cache is until then.
+`prefix_order` ranks each backend by what taking the request would cost it, in tokens: the
+prefill work ahead of the request's first token there (its prefill backlog plus the part of
+the prompt it does not hold in its prefix cache) plus a share (`inflight_weight`) of the tokens
+in flight there. That is the work a router can see: a backend holding a conversation's history
+prefills only the new turn, so it wins until its queue and its decoding load outweigh what it
+saves, and then the next turn goes to another backend, which caches the history from then on. A
+hot prefix spreads the same way, as it loads the backend holding it (Dynamo's KV router weighs
+prefill and decode blocks alike; llm-d adds a prefix and a load scorer). A hard bound on the
+imbalance stays beside it, as SGLang's cache-aware router and consistent hashing with bounded
+loads keep one: a backend that would hold more than (1 + epsilon) x the mean in-flight tokens
+after taking the request (and more than the mean + a slack) is only tried after every backend
+within the bound, unless it is the least loaded itself.
 
 A request no pool can hold (prompt + max output over every pool's `max_model_len`) is refused
 with 400 `context_length_exceeded` before any backend sees it.
@@ -53,10 +57,6 @@ class _Scored(Protocol):
     @property
     def headroom(self) -> int: ...
     @property
-    def limit_blocks(self) -> int: ...
-    @property
-    def reserved_blocks(self) -> int: ...
-    @property
     def cached_tokens(self) -> int: ...
     @property
     def inflight_tokens(self) -> int: ...
@@ -73,13 +73,11 @@ S = TypeVar("S", bound=_Scored)
 
 @dataclass(frozen=True, slots=True)
 class PrefixRule:
-    """A pool's `routing.prefix` weights and bound, as the decision reads them."""
+    """A pool's `routing.prefix` weight and bound, as the decision reads them."""
 
-    cache_weight: float = 1.0
-    kv_weight: float = 0.1
-    prefill_weight: float = 0.1
-    epsilon: float = 0.1
-    slack_tokens: int = 8192
+    inflight_weight: float = 0.25
+    epsilon: float = 1.0
+    slack_tokens: int = 32768
     act: bool = True  # False in shadow mode: evaluated and counted, never placed by
 
 
@@ -99,7 +97,8 @@ def most_headroom_first(candidates: Sequence[R]) -> list[R]:
 
 def prefix_order(candidates: Sequence[S], rule: PrefixRule, ask_tokens: int,
                  prompt_tokens: int) -> list[S]:
-    """Candidates by prefix score within the imbalance bound, then the rest by headroom.
+    """Candidates within the imbalance bound by prefix cost, least first (equals by headroom),
+    then the rest by headroom.
 
     Where no candidate holds any of the prompt and none is the session's, this is exactly
     `most_headroom_first`: a prompt that never repeats is placed as it always was.
@@ -110,30 +109,24 @@ def prefix_order(candidates: Sequence[S], rule: PrefixRule, ask_tokens: int,
     mean = (sum(loads) + ask_tokens) / len(candidates)
     bound = max((1.0 + rule.epsilon) * mean, mean + rule.slack_tokens)
     low = min(loads)
-    scores = dict(zip(map(id, candidates), prefix_scores(candidates, rule, prompt_tokens),
-                      strict=True))
+    costs = dict(zip(map(id, candidates), prefix_costs(candidates, rule, prompt_tokens),
+                     strict=True))
     within = [c for c in candidates if c.inflight_tokens + ask_tokens <= bound
               or c.inflight_tokens == low]
     kept = set(map(id, within))  # by identity: a dataclass's == compares every field
     over = [c for c in candidates if id(c) not in kept]
-    return (sorted(within, key=lambda c: (scores[id(c)], c.headroom), reverse=True)
+    return (sorted(within, key=lambda c: (costs[id(c)], -c.headroom))
             + most_headroom_first(over))
 
 
-def prefix_scores(candidates: Sequence[S], rule: PrefixRule, prompt_tokens: int) -> list[float]:
-    """Each candidate's score: cache_weight x the share of the prompt cached there (the
-    session's backend counts as holding it all) - kv_weight x the share of its KV limit
-    reserved - prefill_weight x its prefill backlog over the pool's largest plus this prompt."""
-    if not candidates:
-        return []
-    prompt = max(1, prompt_tokens)
-    backlog = max(c.prefill_tokens for c in candidates) + prompt
+def prefix_costs(candidates: Sequence[S], rule: PrefixRule, prompt_tokens: int) -> list[float]:
+    """Each candidate's cost of taking the request, in tokens: its prefill backlog plus the
+    part of the prompt not cached there (the session's backend counts as holding it all),
+    plus inflight_weight x the tokens in flight there."""
     out = []
     for c in candidates:
-        cached = 1.0 if c.affinity else c.cached_tokens / prompt
-        used = c.reserved_blocks / c.limit_blocks if c.limit_blocks > 0 else 1.0
-        out.append(rule.cache_weight * cached - rule.kv_weight * used
-                   - rule.prefill_weight * c.prefill_tokens / backlog)
+        uncached = 0 if c.affinity else max(0, prompt_tokens - c.cached_tokens)
+        out.append(c.prefill_tokens + uncached + rule.inflight_weight * c.inflight_tokens)
     return out
 
 

@@ -39,7 +39,8 @@ from tests.servers import (
     scrape,
 )
 
-RULE = PrefixRule(epsilon=0.25, slack_tokens=0)
+RULE = PrefixRule()  # the policy's defaults
+TIGHT = PrefixRule(epsilon=0.25, slack_tokens=0)  # a hard bound that binds at these loads
 
 
 def backend(name: str, **kw: object) -> BackendView:
@@ -58,25 +59,34 @@ def pool(backends: Sequence[BackendView], rule: PrefixRule | None = RULE) -> Poo
 ASK = AskView(blocks=200, tokens=3000, prompt_tokens=2800)
 
 
-def test_conversation_stays_on_its_backend_until_past_the_bound() -> None:
+def test_conversation_stays_on_its_backend_while_the_prefill_it_saves_outweighs_its_load(
+        ) -> None:
     # a holds 2,400 of the prompt's 2,800 tokens; b and c hold nothing and have more headroom.
+    # Cost: prefill backlog + the prompt not cached + 0.25 x tokens in flight. b and c cost
+    # 2,800 + 0.25 x 3,000 = 3,550; a 400 + 0.25 x L: a keeps the conversation while
+    # L < 12,600, turn after turn.
     a = backend("a", cached_tokens=2400, reserved_blocks=500)
-    b, c = backend("b"), backend("c")
-    # Loads within the bound (L + 3000 <= 1.25 x (L + 9000) / 3, so L <= 1285): the cache wins
-    # over headroom, turn after turn.
-    for load in (0, 1000, 1285):
-        view = pool([replace(a, inflight_tokens=load), replace(b, inflight_tokens=3000),
-                     replace(c, inflight_tokens=3000)])
+    b, c = backend("b", inflight_tokens=3000), backend("c", inflight_tokens=3000)
+    for load in (0, 6000, 12_500):
+        view = pool([replace(a, inflight_tokens=load), b, c])
         assert place(view, ASK).backend == "a", load
-    # L = 9000 against 3000 and 2000: 12000 > 1.25 x 17000 / 3, so a is tried last; b and c
-    # are within the bound (6000 and 5000 <= 7083) and tie on score: policy order.
-    view = pool([replace(a, inflight_tokens=9000), replace(b, inflight_tokens=3000),
-                 replace(c, inflight_tokens=2000)])
+    # Past it the turn goes to the cheapest other backend (b and c tie: policy order).
+    view = pool([replace(a, inflight_tokens=12_700), b, c])
     assert [x.name for x in prefix_order(view.backends, RULE, 3000, 2800)] == ["b", "c", "a"]
     assert place(view, ASK).backend == "b"
-    # The same with the absolute slack: 9000 + 3000 <= 17000 / 3 + 8192, so it stays.
-    view = pool(view.backends, replace(RULE, slack_tokens=8192))
-    assert place(view, ASK).backend == "a"
+    # A prefill backlog ahead of it counts in full: 3,200 + 400 > 3,550.
+    assert place(pool([replace(a, prefill_tokens=3200), b, c]), ASK).backend == "b"
+
+
+def test_the_hard_imbalance_bound_overrides_the_cost() -> None:
+    a = backend("a", cached_tokens=2400, inflight_tokens=9000)
+    b, c = backend("b", inflight_tokens=3000), backend("c", inflight_tokens=2000)
+    # a is cheapest (400 + 2,250 against 3,550 and 3,300), but 9,000 + 3,000 is past
+    # 1.25 x the mean after the request (17,000 / 3): b and c first, by cost.
+    assert [x.name for x in prefix_order([a, b, c], TIGHT, 3000, 2800)] == ["c", "b", "a"]
+    assert place(pool([a, b, c], TIGHT), ASK).backend == "c"
+    # The absolute slack: 12,000 <= 17,000 / 3 + 8,192, so the cost decides again.
+    assert place(pool([a, b, c], replace(TIGHT, slack_tokens=8192)), ASK).backend == "a"
 
 
 def test_least_loaded_backend_is_always_within_the_bound() -> None:
@@ -106,12 +116,14 @@ def test_blocks_held_for_requests_in_flight_are_not_reserved_twice() -> None:
     assert place(pool([replace(tight, shared_blocks=0)]), ASK).backend is None
 
 
-def test_session_affinity_within_the_bound() -> None:
+def test_session_affinity_while_it_costs_least() -> None:
     a, b = backend("a"), backend("b", affinity=True, reserved_blocks=2000)
     assert place(pool([a, b]), ASK).backend == "b"
-    # Past the bound the session's backend waits its turn like any other.
+    # Loaded past what it saves (0.25 x 50,000 > 2,800), the session's backend waits its turn
+    # like any other; the same past the hard bound.
     loaded = replace(b, inflight_tokens=50_000)
     assert place(pool([a, loaded]), ASK).backend == "a"
+    assert place(pool([a, loaded], TIGHT), ASK).backend == "a"
 
 
 def test_shadow_rule_places_by_headroom() -> None:
@@ -183,7 +195,7 @@ def test_estimate_shows_cached_tokens_and_score_per_backend(
         assert backends[where]["prefix"]["cached_tokens"] > 500
         other = next(name for name in backends if name != where)
         assert backends[other]["prefix"]["cached_tokens"] == 0
-        assert backends[where]["prefix"]["score"] > backends[other]["prefix"]["score"]
+        assert backends[where]["prefix"]["cost_tokens"] < backends[other]["prefix"]["cost_tokens"]
         assert out["decision"]["backend"] == where
         assert out["decision"]["cached_tokens"] == backends[where]["prefix"]["cached_tokens"]
         assert out["prompt_blocks_hashed"] > 0
@@ -213,6 +225,13 @@ def test_bad_routing_policy_is_refused_at_load(tmp_path: Path) -> None:
                          timeout=60)
     assert out.returncode != 0
     assert "routing.prefix.mode" in out.stdout + out.stderr
+    # The share-based score's weights are gone: a policy naming them is told what replaced them.
+    old = "    routing: {prefix: {cache_weight: 2.0, kv_weight: 0.1}}\n"
+    path.write_text(policy_yaml(["http://127.0.0.1:9"], pool_extra=old))
+    out = subprocess.run(gateway_cmd("check", str(path)), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    assert "cache_weight, kv_weight: replaced by `inflight_weight`" in out.stdout + out.stderr
 
 
 def test_loadtest_multiturn_reports_engine_predicted_and_potential_hit_rates(
@@ -469,9 +488,14 @@ pools:
         view = adm.view(ask)
         at = {b.name: b.cached_tokens for b in view.backends}
         assert at[first.backend.name] == 99 * 16 and sum(at.values()) == 99 * 16
+        # The other backend busy with a prompt of its own (by headroom: it holds nothing of it),
+        # the follow-up costs least where its blocks are being computed, and is told so.
+        other = await adm.admit(Ask("p", blocks=260, tokens=4200, prompt_tokens=4000,
+                                    hashes=tuple(range(1000, 1250)), hash_block=16))
+        assert other.backend is not first.backend
         second = await adm.admit(ask)
         assert second.backend is first.backend and second.cached_tokens == 99 * 16
-        for t in (first, second):
+        for t in (first, other, second):
             await adm.release(t)
         assert all(b.cached_tokens == 0 for b in adm.view(ask).backends)
 

@@ -47,7 +47,7 @@ from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUn
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 from gateway.prefix import PrefixIndexes
-from gateway.routing import prefix_scores
+from gateway.routing import prefix_costs
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, StreamProgress
@@ -175,10 +175,10 @@ class Admission:
         d = decide(view, _ask_view(ask))
         now = self.clock()
         backends: dict[str, object] = {}
-        scores = prefix_scores(view.backends, view.prefix, ask.prompt_tokens) \
+        costs = prefix_costs(view.backends, view.prefix, ask.prompt_tokens) \
             if view.prefix is not None else [None] * len(view.backends)
-        for b, bv, score in zip(self.backends.pools[ps.name], view.backends, scores,
-                                strict=True):
+        for b, bv, cost in zip(self.backends.pools[ps.name], view.backends, costs,
+                               strict=True):
             sample = self.scraper.fresh(ps.name, b.name)
             backends[b.name] = {
                 "available": bv.available, "capacity_blocks": ps.capacity[b.name],
@@ -191,7 +191,7 @@ class Admission:
                 "prefix": None if view.prefix is None else {
                     "cached_tokens": bv.cached_tokens, "shared_blocks": bv.shared_blocks,
                     "inflight_tokens": bv.inflight_tokens, "session": bv.affinity,
-                    "score": None if score is None else round(score, 4)}}
+                    "cost_tokens": None if cost is None else round(cost)}}
         out: dict[str, object] = {
             "decision": d.action, "reason": d.reason, "backend": d.backend, "mode": view.mode,
             "predicted_wait_s": None if (d.enforced or d).action == "admit"

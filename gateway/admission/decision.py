@@ -15,7 +15,7 @@ The checks, in order:
 5. a request that has already spent the pool's TTFT target in the gateway (reading, counting,
    waiting for the tokenizer behind a burst of long prompts) cannot meet it: reject
    (`ttft_spent`), even where it would fit, so the engines' time goes to requests that can;
-6. placement (`place`): backends by KV headroom, most first, or by prefix score within the
+6. placement (`place`): backends by KV headroom, most first, or by prefix cost within the
    imbalance bound where the pool routes by prefix (gateway/routing.py `prefix_order`); a
    backend is skipped when its engine's own report or its prefill backlog (less what it holds
    of the prompt) rules it out (one that holds part of the prompt still takes it when it
@@ -150,7 +150,7 @@ def order(view: PoolView, ask: AskView) -> list[BackendView]:
 
 
 def place(view: PoolView, ask: AskView) -> Placement:
-    """The backend that takes `ask` now, most KV headroom (or prefix score) first; or why
+    """The backend that takes `ask` now, most KV headroom (or prefix cost) first; or why
     none does.
 
     With prefix routing, a backend that holds part of the prompt but is ruled out by its

@@ -36,8 +36,8 @@ def rule_of(spec: PoolSpec) -> PrefixRule | None:
     p = spec.routing.prefix
     if p.mode == "off":
         return None
-    return PrefixRule(p.cache_weight, p.kv_weight, p.prefill_weight, p.imbalance_epsilon,
-                      p.imbalance_slack_tokens, act=p.mode != "shadow")
+    return PrefixRule(p.inflight_weight, p.imbalance_epsilon, p.imbalance_slack_tokens,
+                      act=p.mode != "shadow")
 
 
 def hash_block_size(pools: Sequence[PoolSpec]) -> int | None:

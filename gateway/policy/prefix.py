@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.policy.base import NonNegativeFloat, PositiveInt, Strict
 
@@ -34,12 +34,18 @@ class KvEventsSpec(Strict):
         return value
 
 
+# The share-based score's weights (before the cost in tokens): a policy naming them is told what
+# replaced them rather than only that the key is unknown.
+_REPLACED = ("cache_weight", "kv_weight", "prefill_weight")
+
+
 class PrefixRoutingSpec(Strict):
     """Prefix-cache-aware choice of backend within a pool (gateway/routing.py `prefix_order`).
 
-    Each backend is scored by the share of the prompt it would serve from its prefix cache
-    against its load; no backend is preferred while it holds more than (1 + imbalance_epsilon)
-    x the mean in-flight tokens and another holds less.
+    Each backend is ranked by the tokens taking the request would cost it: its prefill backlog,
+    the part of the prompt not cached there, and inflight_weight x its tokens in flight; no
+    backend is preferred while it would hold more than (1 + imbalance_epsilon) x the mean
+    in-flight tokens (and more than the mean + imbalance_slack_tokens) and another would not.
     """
 
     # off: most KV headroom first (as before). approximate: the index learnt from what this
@@ -47,20 +53,33 @@ class PrefixRoutingSpec(Strict):
     # shadow: approximate evaluated and counted, placement as with off. session: affinity by
     # session only (consistent hashing), no prefix index.
     mode: Literal["off", "approximate", "precise", "shadow", "session"] = "approximate"
-    cache_weight: NonNegativeFloat = 1.0  # x the share of the prompt cached there
-    # The load terms are small: they choose among backends that hold alike; balance is the
-    # bound's job (cache match while balanced, load past the bound: SGLang's cache-aware rule).
-    kv_weight: NonNegativeFloat = 0.1  # x the share of its KV limit reserved
-    prefill_weight: NonNegativeFloat = 0.1  # x its prefill backlog, as a share of the pool's
-    imbalance_epsilon: NonNegativeFloat = 0.1
-    # ... or by more than this many tokens over the mean, whichever is more: at low load a
-    # relative bound alone would split every conversation (SGLang's balance_abs_threshold).
-    imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 8192
+    # A token in flight at a backend counts as this many tokens of prefill there: the decoding
+    # load a cache hit may add to one backend before the next turn goes elsewhere. 0.25 by the
+    # offline replays in docs/benchmarks.md (hit rate, TTFT and balance on the Mooncake trace
+    # and the multi-turn synthetic against 0.5 and 1).
+    inflight_weight: NonNegativeFloat = 0.25
+    # The hard bound beside the cost: past (1 + epsilon) x the mean in-flight tokens ...
+    imbalance_epsilon: NonNegativeFloat = 1.0
+    # ... and past the mean + this many tokens, a backend is tried only after the others: a
+    # relative bound alone would split every conversation at low load (SGLang's
+    # balance_abs_threshold); one long prompt must fit under it.
+    imbalance_slack_tokens: Annotated[int, Field(ge=0)] = 32768
     # Where no backend holds any of the prompt: the backend the session's hash picks
     # (header x-session-id, else the request's `user` field), within the same bound.
     session_affinity: bool = True
     # The approximate index's capacity per backend, in blocks; unset: the backend's KV blocks.
     capacity_blocks: PositiveInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced(cls, data: object) -> object:
+        gone = sorted(k for k in _REPLACED if isinstance(data, dict) and k in data)
+        if gone:
+            raise ValueError(
+                f"{', '.join(gone)}: replaced by `inflight_weight` (backends are now ranked by "
+                "the tokens taking the request would cost them: prefill backlog + the prompt "
+                "not cached there + inflight_weight x tokens in flight; docs/policy.md)")
+        return data
 
     @field_validator("mode", mode="before")
     @classmethod

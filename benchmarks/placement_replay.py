@@ -1,0 +1,236 @@
+"""Which placement rule, with which weights: an offline replay of whole traces (issue 19).
+
+The end-to-end benchmark (prefix_routing.py) runs real processes and so only samples of the
+Mooncake trace; whether a rule reaches the hits a workload holds depends on the whole trace's
+pressure on the engines' caches. This replays every request of a workload in its own order and
+times through a model of the pool, placing each with the rule being compared, and prints the
+share of prompt tokens served from cache, TTFT, and the balance of load:
+
+  engines   ENGINES replicas of the 70B reference (Llama-3.3-70B, TP=4 on H100), each an LRU
+            cache of its KV capacity (470,720 tokens) at 512-token blocks (the trace's hash
+            ids), a request's blocks tail first out; a FIFO prefill queue at the step model's
+            prefill rate (loadtest/sim/steptime.py), only the part of the prompt not cached
+            prefilled; then its output at the step model's decode time, in flight meanwhile.
+  view      what the gateway sees of each backend when it places a request (admission's
+            BackendView): the predicted cached tokens, its tokens in flight (prompt + output),
+            its prefill backlog (the uncached prompt tokens admitted with no first token yet),
+            its KV headroom.
+  rules     headroom: most KV headroom first (prefix routing off: (a) of prefix_routing.py);
+            round-robin; bound: the issue's reference router, the longest cached prefix among
+            backends within max(1.1 x the mean, the mean + 8,192) in-flight tokens (what
+            prefix_routing.py's `lru_replay` calls the bound); cost(w, eps, slack): the
+            shipped `gateway.routing.prefix_order` with PrefixRule(w, eps, slack).
+
+Balance is each engine's in-flight tokens averaged over time, max / mean (as prefix_routing.py
+reads KV usage over a run). Deterministic: no processes, no clocks; ~1 minute a rule on the
+whole Mooncake trace (12,031 requests).
+
+    .venv/bin/python benchmarks/placement_replay.py [--workloads mooncake,multiturn] [--stretch 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.admission.decision import BackendView  # noqa: E402  (after the path fix)
+from gateway.routing import PrefixRule, most_headroom_first, prefix_order  # noqa: E402
+from loadtest.sim.config import SimConfig  # noqa: E402
+from loadtest.sim.steptime import StepTimeModel  # noqa: E402
+from loadtest.workload import MultiTurn, multiturn_items  # noqa: E402
+
+MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+MODEL, TP, ENGINES = "llama-3.3-70b", 4, 4
+BLOCK = 512                 # the traces' hash ids each stand for 512 prompt tokens
+OUTPUT = 32                 # as prefix_routing.py: decode is not what the prefix cache changes
+BOUND_EPSILON, BOUND_SLACK = 0.1, 8192   # the issue's reference router
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    at_s: float
+    chain: tuple[int, ...]  # chained hashes of its 512-token blocks, the partial last one too
+    prompt: int
+
+
+def chained(ids: Sequence[int]) -> tuple[int, ...]:
+    out, parent = [], None
+    for h in ids:
+        parent = hash((parent, h))
+        out.append(parent)
+    return tuple(out)
+
+
+def mooncake(stretch: float) -> list[Request]:
+    rows = [json.loads(line) for line in MOONCAKE.open()]
+    return [Request(r["timestamp"] / 1000 * stretch, chained(r["hash_ids"]), r["input_length"])
+            for r in rows]
+
+
+def multiturn(mt: MultiTurn, seed: int = 2) -> list[Request]:
+    return [Request(i.arrival_s, chained(i.block_hashes), i.prompt_tokens)
+            for i in multiturn_items(mt, seed)]
+
+
+@dataclass
+class Engine:
+    cache: OrderedDict[int, None]
+    free_at: float = 0.0                                  # its prefill queue's end
+    running: list[tuple[float, int]] | None = None        # (leaves at, tokens in flight)
+    prefilling: list[tuple[float, int]] | None = None     # (first token at, uncached tokens)
+    load_s: float = 0.0                                   # in-flight tokens x seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    hit: float
+    ttft: tuple[float, float, float]   # P50, P90, P99 (s, real)
+    balance: float
+
+
+Rule = Callable[[list[BackendView], Request, int], str]
+
+
+def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_tok_s: float,
+           decode_s: float) -> Result:
+    engines = [Engine(OrderedDict(), running=[], prefilling=[]) for _ in range(ENGINES)]
+    limit_blocks = capacity_blocks * BLOCK // 16
+    hit = total = 0
+    ttfts: list[float] = []
+    last = reqs[0].at_s if reqs else 0.0
+    for n, r in enumerate(reqs):
+        views = []
+        for i, e in enumerate(engines):
+            assert e.running is not None and e.prefilling is not None
+            e.running[:] = [x for x in e.running if x[0] > r.at_s]
+            e.prefilling[:] = [x for x in e.prefilling if x[0] > r.at_s]
+            inflight = sum(t for _, t in e.running)
+            e.load_s += inflight * (r.at_s - last)
+            held = 0
+            for h in r.chain[: r.prompt // BLOCK]:
+                if h not in e.cache:
+                    break
+                held += 1
+            views.append(BackendView(
+                name=str(i), available=True, limit_blocks=limit_blocks,
+                reserved_blocks=inflight // 16, outstanding=len(e.running), ruled_out=None,
+                over_static_rule=False, cached_tokens=min(held * BLOCK, r.prompt - 1),
+                inflight_tokens=inflight,
+                prefill_tokens=sum(t for _, t in e.prefilling)))
+        last = r.at_s
+        i = int(rule(views, r, n))
+        e, cached = engines[i], views[i].cached_tokens
+        assert e.running is not None and e.prefilling is not None
+        hit += cached
+        total += r.prompt
+        first = max(r.at_s, e.free_at) + (r.prompt - cached) / prefill_tok_s
+        e.free_at = first
+        ttfts.append(first - r.at_s)
+        e.prefilling.append((first, r.prompt - cached))
+        e.running.append((first + decode_s, r.prompt + OUTPUT))
+        for h in reversed(r.chain):  # tail first out, as the engine
+            e.cache[h] = None
+            e.cache.move_to_end(h)
+        while len(e.cache) > capacity_blocks:
+            e.cache.popitem(last=False)
+    ttfts.sort()
+    means = [e.load_s for e in engines]
+    avg = sum(means) / len(means)
+
+    def q(p: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))]
+
+    return Result(hit / total if total else 0.0, (q(0.5), q(0.9), q(0.99)),
+                  max(means) / avg if avg else 1.0)
+
+
+def headroom(views: list[BackendView], r: Request, n: int) -> str:
+    return most_headroom_first(views)[0].name
+
+
+def round_robin(views: list[BackendView], r: Request, n: int) -> str:
+    return views[n % len(views)].name
+
+
+def bound(views: list[BackendView], r: Request, n: int) -> str:
+    ask = r.prompt + OUTPUT
+    loads = [v.inflight_tokens for v in views]
+    mean = (sum(loads) + ask) / len(views)
+    top = max((1 + BOUND_EPSILON) * mean, mean + BOUND_SLACK)
+    ok = [v for v in views if v.inflight_tokens + ask <= top or v.inflight_tokens == min(loads)]
+    return max(ok, key=lambda v: (v.cached_tokens, -v.inflight_tokens)).name
+
+
+def cost(rule: PrefixRule) -> Rule:
+    def place(views: list[BackendView], r: Request, n: int) -> str:
+        return prefix_order(views, rule, r.prompt + OUTPUT, r.prompt)[0].name
+    return place
+
+
+def rules() -> dict[str, Rule]:
+    d = PrefixRule()
+    out: dict[str, Rule] = {"headroom (a)": headroom, "round robin": round_robin,
+                            "bound (issue's)": bound}
+    for w in (0.25, 0.5, 1.0):
+        out[f"cost w={w:g}, eps={d.epsilon:g}, slack={d.slack_tokens}"] = \
+            cost(replace(d, inflight_weight=w))
+    out[f"cost w={d.inflight_weight:g}, eps=0.1, slack=8192"] = \
+        cost(replace(d, epsilon=0.1, slack_tokens=8192))
+    out[f"cost w={d.inflight_weight:g}, no bound"] = cost(replace(d, epsilon=1e9))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="mooncake,multiturn")
+    ap.add_argument("--stretch", type=float, action="append",
+                    help="the Mooncake trace's times x this (default 1.2 and 1.5: the trace "
+                         "at 0.93 and 0.75 of the four engines' prefill rate)")
+    args = ap.parse_args()
+    spec = SimConfig(model=MODEL, tp=TP).resolve()
+    steps = StepTimeModel(spec.model, spec.gpu, TP, spec.dtype, spec.kv_dtype)
+    prefill = 8192 / steps.prefill_s(8192)
+    decode = OUTPUT * steps.decode_step_s(32, 8192)
+    capacity = spec.num_gpu_blocks * spec.block_size // BLOCK
+    print(f"{ENGINES} x {MODEL} TP={TP}: KV {capacity} blocks of {BLOCK} tokens each, prefill "
+          f"{prefill:,.0f} tokens/s, {OUTPUT} output tokens in {decode:.2f} s (step model)")
+    workloads: list[tuple[str, list[Request]]] = []
+    names = args.workloads.split(",")
+    if "mooncake" in names:
+        for stretch in args.stretch or [1.2, 1.5]:
+            reqs = mooncake(stretch)
+            rate = sum(r.prompt for r in reqs) / reqs[-1].at_s
+            workloads.append((f"mooncake, whole trace, times x {stretch:g} ({len(reqs):,} "
+                              f"requests, {rate / (ENGINES * prefill):.2f} of the prefill rate)",
+                              reqs))
+    if "multiturn" in names:
+        for mt in (MultiTurn(20, 6, 512, 2048, OUTPUT, 1.0, 1.0),   # prefix_routing.py's
+                   MultiTurn(60, 6, 512, 2048, OUTPUT, 1.0, 1.0),
+                   MultiTurn(32, 12, 2048, 1024, OUTPUT, 3.0, 1.0),  # loadtest's default
+                   MultiTurn(128, 12, 2048, 1024, OUTPUT, 3.0, 2.0)):
+            reqs = multiturn(mt)
+            workloads.append((f"{mt.describe()} ({len(reqs):,} requests)", reqs))
+    for title, reqs in workloads:
+        print(f"\n{title}")
+        print(f"  {'rule':<36} {'hit':>6} {'x (a)':>6} {'TTFT P50':>9} {'P90':>7} {'P99':>7} "
+              f"{'balance':>8}")
+        base = None
+        for name, rule in rules().items():
+            res = replay(reqs, rule, capacity, prefill, decode)
+            base = base if base is not None else res.hit
+            p50, p90, p99 = res.ttft
+            print(f"  {name:<36} {100 * res.hit:5.1f}% {res.hit / base if base else 0:5.2f}x "
+                  f"{p50:8.2f}s {p90:6.2f}s {p99:6.2f}s {res.balance:8.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
