@@ -19,7 +19,8 @@ share of prompt tokens served from cache, TTFT, and the balance of load:
             round-robin; bound: the issue's reference router, the longest cached prefix among
             backends within max(1.1 x the mean, the mean + 8,192) in-flight tokens (what
             prefix_routing.py's `lru_replay` calls the bound); cost(w, eps, slack): the
-            shipped `gateway.routing.prefix_order` with PrefixRule(w, eps, slack).
+            shipped `gateway.routing.prefix_order` with PrefixRule(w, eps, slack); and, as the
+            ceiling, one cache of all the engines' capacity.
 
 Balance is each engine's in-flight tokens averaged over time, max / mean (as prefix_routing.py
 reads KV usage over a run). Deterministic: no processes, no clocks; ~1 minute a rule on the
@@ -100,8 +101,13 @@ Rule = Callable[[list[BackendView], Request, int], str]
 
 
 def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_tok_s: float,
-           decode_s: float) -> Result:
-    engines = [Engine(OrderedDict(), running=[], prefilling=[]) for _ in range(ENGINES)]
+           decode_s: float, one_cache: bool = False) -> Result:
+    """`one_cache`: the engines share one LRU cache of all their capacity, the most any
+    routing could reach (no engine ever recomputes what another holds)."""
+    shared: OrderedDict[int, None] = OrderedDict()
+    engines = [Engine(shared if one_cache else OrderedDict(), running=[], prefilling=[])
+               for _ in range(ENGINES)]
+    room = capacity_blocks * (ENGINES if one_cache else 1)
     limit_blocks = capacity_blocks * BLOCK // 16
     hit = total = 0
     ttfts: list[float] = []
@@ -139,7 +145,7 @@ def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_to
         for h in reversed(r.chain):  # tail first out, as the engine
             e.cache[h] = None
             e.cache.move_to_end(h)
-        while len(e.cache) > capacity_blocks:
+        while len(e.cache) > room:
             e.cache.popitem(last=False)
     ttfts.sort()
     means = [e.load_s for e in engines]
@@ -223,8 +229,8 @@ def main() -> int:
         print(f"  {'rule':<36} {'hit':>6} {'x (a)':>6} {'TTFT P50':>9} {'P90':>7} {'P99':>7} "
               f"{'balance':>8}")
         base = None
-        for name, rule in rules().items():
-            res = replay(reqs, rule, capacity, prefill, decode)
+        for name, rule in [*rules().items(), ("one cache of all four (headroom)", headroom)]:
+            res = replay(reqs, rule, capacity, prefill, decode, one_cache=name.startswith("one"))
             base = base if base is not None else res.hit
             p50, p90, p99 = res.ttft
             print(f"  {name:<36} {100 * res.hit:5.1f}% {res.hit / base if base else 0:5.2f}x "
