@@ -378,6 +378,9 @@ def test_shadow_mode_counts_what_prefix_routing_would_do(start_sim: StartSim,
                          {"model": "test-model", "messages": history, "max_tokens": 2})
             assert reply.status == 200
             history.append({"role": "assistant", "content": "M6."})
+            # The reservation is released just after the answer's last byte: until then e0 has
+            # less headroom than e1, and headroom placement would send the next turn there.
+            poll_metric(gw.url, "gateway_kv_reserved_blocks", lambda v: v == 0)
         samples = quiet(gw.url)
         assert metric(samples, "gateway_prefix_shadow_total") == 3
         # Idle engines: headroom picks e0 every time, where the cache is: they agree.

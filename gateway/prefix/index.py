@@ -98,7 +98,7 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are held (the cached prefix, in blocks).
         Pure: a match does not refresh the blocks (a preview must change nothing)."""
-        return _leading(self._tables[0] if not self._mask else self, hashes)
+        return _leading(self._tables, self._mask, hashes)
 
     def acquire(self, hashes: Sequence[int]) -> None:
         """A request in flight holds these blocks at the engine (they are shared, not free)."""
@@ -117,7 +117,7 @@ class PrefixIndex:
 
     def held(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` requests in flight hold now."""
-        return _leading(self._held, hashes)
+        return _leading((self._held,), 0, hashes)
 
     def store(self, hashes: Sequence[int], engine_hashes: Sequence[int] | None = None) -> int:
         """Hold `hashes` (a prompt's blocks in order, or an event's), most recent first block;
@@ -203,23 +203,28 @@ class PrefixIndex:
         return dropped
 
 
-def _leading(held: Container[int], hashes: Sequence[int]) -> int:
-    """The number of leading `hashes` in `held`, assuming the held ones form a prefix: probes
-    at 1, 2, 4, ... blocks, then bisects the last gap, O(log n) lookups. Chained hashes make
-    a held block's ancestors held too in both modes (a prompt is stored first block last, and
-    engines evict a sequence's tail first), so this is the linear count in practice; where an
-    ancestor did go first, the count is what the engine would report as far as that block."""
+def _leading(tables: Sequence[Container[int]], mask: int, hashes: Sequence[int]) -> int:
+    """The number of leading `hashes` held (in `tables[hash & mask]`), assuming the held ones
+    form a prefix: probes at 1, 2, 4, ... blocks, then bisects the last gap, O(log n) lookups.
+    Chained hashes make a held block's ancestors held too in both modes (a prompt is stored
+    first block last, and engines evict a sequence's tail first), so this is the linear count
+    in practice; where an ancestor did go first, the count is what the engine would report as
+    far as that block. The table is picked inline, not through `PrefixIndex.__contains__`: a
+    method call per probe made a 16K-token prompt's match 6.2-6.5 us against 4.3-4.4, and
+    placement matches once per backend."""
     n = len(hashes)
-    if n == 0 or hashes[0] not in held:
+    if n == 0 or hashes[0] not in tables[hashes[0] & mask]:
         return 0
     lo, step = 1, 1  # hashes[:lo] are held
     while lo < n:
         probe = min(n, lo + step)
-        if hashes[probe - 1] not in held:
+        h = hashes[probe - 1]
+        if h not in tables[h & mask]:
             hi = probe - 1  # hashes[hi] is not held
             while lo < hi:
                 mid = (lo + hi) // 2
-                if hashes[mid] in held:
+                h = hashes[mid]
+                if h in tables[h & mask]:
                     lo = mid + 1
                 else:
                     hi = mid
