@@ -19,12 +19,13 @@ the prompt it does not hold in its prefix cache) plus a share (`inflight_weight`
 in flight there. That is the work a router can see: a backend holding a conversation's history
 prefills only the new turn, so it wins until its queue and its decoding load outweigh what it
 saves, and then the next turn goes to another backend, which caches the history from then on. A
-hot prefix spreads the same way, as it loads the backend holding it (Dynamo's KV router weighs
-prefill and decode blocks alike; llm-d adds a prefix and a load scorer). A hard bound on the
-imbalance stays beside it, as SGLang's cache-aware router and consistent hashing with bounded
-loads keep one: a backend that would hold more than (1 + epsilon) x the mean in-flight tokens
-after taking the request (and more than the mean + a slack) is only tried after every backend
-within the bound, unless it is the least loaded itself.
+hot prefix spreads the same way, as it loads the backend holding it (Dynamo's KV router adds
+the blocks a worker would prefill, x kv-overlap-score-weight, 1 by default, to the blocks it
+holds decoding; llm-d adds a prefix and a load scorer). A hard bound on the imbalance stays
+beside it, as SGLang's cache-aware router and consistent hashing with bounded loads keep one:
+a backend that would hold more than (1 + epsilon) x the mean in-flight tokens after taking the
+request (and more than the mean + a slack) is only tried after every backend within the bound,
+unless it is the least loaded itself.
 
 A request no pool can hold (prompt + max output over every pool's `max_model_len`) is refused
 with 400 `context_length_exceeded` before any backend sees it.
