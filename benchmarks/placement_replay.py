@@ -27,6 +27,7 @@ reads KV usage over a run). Deterministic: no processes, no clocks; ~1 minute a 
 whole Mooncake trace (12,031 requests).
 
     .venv/bin/python benchmarks/placement_replay.py [--workloads mooncake,multiturn] [--stretch 1.5]
+        [--multiturn conversations=300,turns=6,system=512,turn=2048,think=2,start=6]
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ from gateway.admission.decision import BackendView  # noqa: E402  (after the pat
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order  # noqa: E402
 from loadtest.sim.config import SimConfig  # noqa: E402
 from loadtest.sim.steptime import StepTimeModel  # noqa: E402
-from loadtest.workload import MultiTurn, multiturn_items  # noqa: E402
+from loadtest.workload import (  # noqa: E402
+    MultiTurn,
+    WorkloadError,
+    multiturn_items,
+    parse_multiturn,
+)
 
 MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 MODEL, TP, ENGINES = "llama-3.3-70b", 4, 4
@@ -197,6 +203,10 @@ def rules() -> dict[str, Rule]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="mooncake,multiturn")
+    ap.add_argument("--multiturn", action="append", metavar="SPEC",
+                    help="a multi-turn shape instead of the four built in, as loadtest's "
+                         "--multiturn takes it (conversations=N,turns=K,system=,turn=,think=,"
+                         "start=); repeatable")
     ap.add_argument("--stretch", type=float, action="append",
                     help="the Mooncake trace's times x this (default 1.2 and 1.5: the trace "
                          "at 0.93 and 0.75 of the four engines' prefill rate)")
@@ -218,10 +228,16 @@ def main() -> int:
                               f"requests, {rate / (ENGINES * prefill):.2f} of the prefill rate)",
                               reqs))
     if "multiturn" in names:
-        for mt in (MultiTurn(20, 6, 512, 2048, OUTPUT, 1.0, 1.0),   # prefix_routing.py's
-                   MultiTurn(60, 6, 512, 2048, OUTPUT, 1.0, 1.0),
-                   MultiTurn(32, 12, 2048, 1024, OUTPUT, 3.0, 1.0),  # loadtest's default
-                   MultiTurn(128, 12, 2048, 1024, OUTPUT, 3.0, 2.0)):
+        try:
+            given = [replace(parse_multiturn(spec), out=OUTPUT) for spec in args.multiturn or ()]
+        except WorkloadError as exc:
+            ap.error(str(exc))
+        shapes = given or [
+            MultiTurn(20, 6, 512, 2048, OUTPUT, 1.0, 1.0),   # prefix_routing.py's
+            MultiTurn(60, 6, 512, 2048, OUTPUT, 1.0, 1.0),
+            MultiTurn(32, 12, 2048, 1024, OUTPUT, 3.0, 1.0),  # loadtest's default
+            MultiTurn(128, 12, 2048, 1024, OUTPUT, 3.0, 2.0)]
+        for mt in shapes:
             reqs = multiturn(mt)
             workloads.append((f"{mt.describe()} ({len(reqs):,} requests)", reqs))
     for title, reqs in workloads:
