@@ -37,7 +37,7 @@ import json
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,10 +90,10 @@ def multiturn(mt: MultiTurn, seed: int = 2) -> list[Request]:
 @dataclass
 class Engine:
     cache: OrderedDict[int, None]
-    free_at: float = 0.0                                  # its prefill queue's end
-    running: list[tuple[float, int]] | None = None        # (leaves at, tokens in flight)
-    prefilling: list[tuple[float, int]] | None = None     # (first token at, uncached tokens)
-    load_s: float = 0.0                                   # in-flight tokens x seconds
+    free_at: float = 0.0  # its prefill queue's end
+    running: list[tuple[float, int]] = field(default_factory=list)  # (leaves at, in flight)
+    prefilling: list[tuple[float, int]] = field(default_factory=list)  # (first token, uncached)
+    load_s: float = 0.0  # in-flight tokens x seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +111,7 @@ def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_to
     """`one_cache`: the engines share one LRU cache of all their capacity, the most any
     routing could reach (no engine ever recomputes what another holds)."""
     shared: OrderedDict[int, None] = OrderedDict()
-    engines = [Engine(shared if one_cache else OrderedDict(), running=[], prefilling=[])
-               for _ in range(ENGINES)]
+    engines = [Engine(shared if one_cache else OrderedDict()) for _ in range(ENGINES)]
     room = capacity_blocks * (ENGINES if one_cache else 1)
     limit_blocks = capacity_blocks * BLOCK // 16
     hit = total = 0
@@ -121,7 +120,6 @@ def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_to
     for n, r in enumerate(reqs):
         views = []
         for i, e in enumerate(engines):
-            assert e.running is not None and e.prefilling is not None
             e.running[:] = [x for x in e.running if x[0] > r.at_s]
             e.prefilling[:] = [x for x in e.prefilling if x[0] > r.at_s]
             inflight = sum(t for _, t in e.running)
@@ -140,7 +138,6 @@ def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_to
         last = r.at_s
         i = int(rule(views, r, n))
         e, cached = engines[i], views[i].cached_tokens
-        assert e.running is not None and e.prefilling is not None
         hit += cached
         total += r.prompt
         first = max(r.at_s, e.free_at) + (r.prompt - cached) / prefill_tok_s
