@@ -217,14 +217,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     price = price_obj.per_gpu_hour if price_obj is not None else DEFAULT_PRICE
     currency = price_obj.currency if price_obj is not None else "USD"
-    for path in (traffic.AZURE, traffic.MOONCAKE):
-        if not path.exists():
-            print(f"loadtest fleet: missing trace {path}", file=sys.stderr)
-            return 1
-    if args.validate:
-        out["validation"] = validate(args.seed)
-    else:
-        try:
+    grid: tuple[list[float], list[int], list[int], list[float]] | None = None
+    if not args.validate:
+        try:  # every flag before the traces: a bad one is told at once, wherever it runs
             grid = (_floats("--long-share", args.long_share, 0.0, 1.0),
                     _ints("--tp", args.tp), _ints("--replicas", args.replicas),
                     _floats("--loads", args.loads, 0.01, 100.0))
@@ -238,6 +233,13 @@ def run(args: argparse.Namespace) -> int:
         except (UsageError, ConfigError) as exc:
             print(f"loadtest fleet: {exc}", file=sys.stderr)
             return 2
+    for path in (traffic.AZURE, traffic.MOONCAKE):
+        if not path.exists():
+            print(f"loadtest fleet: missing trace {path}", file=sys.stderr)
+            return 1
+    if grid is None:
+        out["validation"] = validate(args.seed)
+    else:
         out["fleet"] = fleet(args, price, currency, *grid)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2, default=str))
