@@ -43,7 +43,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.admission.decision import BackendView  # noqa: E402  (after the path fix)
+# The end-to-end benchmark's pool and its reference router, so both model the same thing.
+from benchmarks.prefix_routing import (  # noqa: E402  (after the path fix)
+    ENGINES,
+    EPSILON,
+    HASH_BLOCK,
+    MODEL,
+    MOONCAKE,
+    OUTPUT_CAP,
+    SLACK_TOKENS,
+    TP,
+)
+from gateway.admission.decision import BackendView  # noqa: E402
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order  # noqa: E402
 from loadtest.sim.config import SimConfig  # noqa: E402
 from loadtest.sim.steptime import StepTimeModel  # noqa: E402
@@ -54,11 +65,8 @@ from loadtest.workload import (  # noqa: E402
     parse_multiturn,
 )
 
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
-MODEL, TP, ENGINES = "llama-3.3-70b", 4, 4
-BLOCK = 512                 # the traces' hash ids each stand for 512 prompt tokens
-OUTPUT = 32                 # as prefix_routing.py: decode is not what the prefix cache changes
-BOUND_EPSILON, BOUND_SLACK = 0.1, 8192   # the issue's reference router
+BLOCK = HASH_BLOCK          # the traces' hash ids each stand for 512 prompt tokens
+OUTPUT = OUTPUT_CAP         # decode is not what the prefix cache changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +181,7 @@ def bound(views: list[BackendView], r: Request, n: int) -> str:
     ask = r.prompt + OUTPUT
     loads = [v.inflight_tokens for v in views]
     mean = (sum(loads) + ask) / len(views)
-    top = max((1 + BOUND_EPSILON) * mean, mean + BOUND_SLACK)
+    top = max((1 + EPSILON) * mean, mean + SLACK_TOKENS)
     ok = [v for v in views if v.inflight_tokens + ask <= top or v.inflight_tokens == min(loads)]
     return max(ok, key=lambda v: (v.cached_tokens, -v.inflight_tokens)).name
 
