@@ -306,7 +306,7 @@ class Pipeline:
                 p = await self._counted(p)  # the bound would wait or be refused: the count decides
                 ask = p.ask(self.loop_time())
             if p.prompt.pending is not None:
-                rt.metrics.counted_behind.labels(p.model.name, "sent").inc()
+                rt.metrics.child(rt.metrics.counted_behind, p.model.name, "sent").inc()
             ticket = await rt.admission.admit(ask)
             if self._timed:
                 self._stage["queue"](ticket.queue_s)
@@ -454,7 +454,7 @@ class Pipeline:
         if not p.prompt.exact and relay.prompt_tokens and p.prompt.chars:
             error = rt.counters[p.model.name].tokenizer.observe(p.prompt.chars,
                                                                 relay.prompt_tokens)
-            rt.metrics.token_estimate_error.labels(p.model.name).observe(abs(error))
+            rt.metrics.child(rt.metrics.token_estimate_error, p.model.name).observe(abs(error))
 
     def observe(self, record: Record, gone: bool, forward_start: float) -> None:
         rt = self.rt

@@ -196,8 +196,10 @@ class Capacity:
 
     def prefill_add(self, ps: PoolState, backend: str, tokens: int) -> None:
         ps.prefill[backend] = ps.prefill.get(backend, 0) + tokens
-        self.metrics.prefill_tokens_pending.labels(ps.name, backend).set(ps.prefill[backend])
+        m = self.metrics
+        m.child(m.prefill_tokens_pending, ps.name, backend).set(ps.prefill[backend])
 
     def prefill_remove(self, ps: PoolState, backend: str, tokens: int) -> None:
         ps.prefill[backend] = max(0, ps.prefill.get(backend, 0) - tokens)
-        self.metrics.prefill_tokens_pending.labels(ps.name, backend).set(ps.prefill[backend])
+        m = self.metrics
+        m.child(m.prefill_tokens_pending, ps.name, backend).set(ps.prefill[backend])

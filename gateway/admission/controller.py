@@ -318,7 +318,7 @@ class Admission:
         if store is self.state:
             ps.reserved[backend.name] = result.backend_blocks
             ps.reserved_tokens = result.pool_tokens
-            self.metrics.kv_blocks_reserved.labels(ps.name, backend.name).set(
+            self.metrics.child(self.metrics.kv_blocks_reserved, ps.name, backend.name).set(
                 result.backend_blocks)
         if not result.ok:
             return None, result.reason
@@ -433,7 +433,7 @@ class Admission:
             b = ticket.lease.backend
             ps.reserved[b] = max(0, ps.reserved.get(b, 0) - ticket.lease.blocks)
             ps.reserved_tokens = max(0, ps.reserved_tokens - ticket.lease.tokens)
-            self.metrics.kv_blocks_reserved.labels(ps.name, b).set(ps.reserved[b])
+            self.metrics.child(self.metrics.kv_blocks_reserved, ps.name, b).set(ps.reserved[b])
         if completed:
             ps.drained_tokens += ticket.lease.tokens
         await self.drain(ps)
@@ -483,11 +483,11 @@ class Admission:
     # --- metrics ------------------------------------------------------------------------------
 
     def _count(self, pool: str, decision: str, reason: str) -> None:
-        self.metrics.admission_decisions.labels(pool, decision, reason).inc()
+        self.metrics.child(self.metrics.admission_decisions, pool, decision, reason).inc()
 
     def _publish_queue(self, ps: PoolState) -> None:
         for name, n in ps.queue.depth_by_priority().items():
-            self.metrics.queue_depth.labels(ps.name, name).set(n)
+            self.metrics.child(self.metrics.queue_depth, ps.name, name).set(n)
 
 
 def _ask_view(ask: Ask) -> AskView:

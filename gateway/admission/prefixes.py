@@ -121,7 +121,7 @@ class PrefixPlacement:
 
     def admitted(self, ps: PoolState, ask: Ask, ticket: Ticket, by: str) -> None:
         """The request is placed on `ticket.backend`: learn and hold its blocks there."""
-        self.metrics.placements.labels(ps.name, by).inc()
+        self.metrics.child(self.metrics.placements, ps.name, by).inc()
         self.hold(ps, ask, ticket)
 
     def hold(self, ps: PoolState, ask: Ask, ticket: Ticket) -> None:
@@ -148,7 +148,7 @@ class PrefixPlacement:
               learn: bool, ticket: Ticket) -> None:
         if learn:
             index.store(hashes)
-            self.metrics.index_blocks.labels(pool, name).set(len(index))
+            self.metrics.child(self.metrics.index_blocks, pool, name).set(len(index))
         if ticket.held is _PENDING:  # not released already (a request over before this ran)
             index.acquire(hashes)
             ticket.held = hashes
@@ -163,9 +163,9 @@ class PrefixPlacement:
             return
         name = ticket.backend.name
         m = self.metrics
-        m.prompt_tokens.labels(pool, name).inc(prompt_tokens)
-        m.predicted_cached.labels(pool, name).inc(ticket.cached_tokens)
-        m.engine_cached.labels(pool, name).inc(engine_cached or 0)
+        m.child(m.prompt_tokens, pool, name).inc(prompt_tokens)
+        m.child(m.predicted_cached, pool, name).inc(ticket.cached_tokens)
+        m.child(m.engine_cached, pool, name).inc(engine_cached or 0)
 
     def shadow(self, view: PoolView, ask: Ask, chosen: str) -> None:
         """routing.prefix.mode shadow: count whether the prefix router would have agreed."""

@@ -80,13 +80,13 @@ class Accountant:
                output_tokens: int, profile: ModelProfile, concurrency: int) -> None:
         """One finished request: count its tokens and charge its tenant."""
         fresh = max(0, prompt_tokens - cached_tokens)
-        tokens = self.metrics.tokens
+        tokens, child = self.metrics.tokens, self.metrics.child
         if fresh:
-            tokens.labels(pool, tenant, "input").inc(fresh)
+            child(tokens, pool, tenant, "input").inc(fresh)
         if cached_tokens:
-            tokens.labels(pool, tenant, "cached").inc(cached_tokens)
+            child(tokens, pool, tenant, "cached").inc(cached_tokens)
         if output_tokens:
-            tokens.labels(pool, tenant, "output").inc(output_tokens)
+            child(tokens, pool, tenant, "output").inc(output_tokens)
         pc = self.pools.get(pool)
         if pc is None:
             return

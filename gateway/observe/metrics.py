@@ -34,6 +34,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from gateway.observe.children import LabelChildren
 from gateway.observe.kv_events_metrics import KVEventMetrics
 from gateway.observe.prefix_metrics import PrefixMetrics
 from gateway.policy.model import Policy, PricingSpec
@@ -70,6 +71,7 @@ DEFAULT_CURRENCY: str = PricingSpec.model_fields["currency"].default  # a pool w
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.child = LabelChildren()  # children the request path touches, bound once
         r = self.registry
         self.requests = Counter(
             "gateway_requests_total", "Requests answered, by pool, model and HTTP status.",
@@ -335,10 +337,14 @@ class _InCurrency:
         self._labelnames = labelnames
         self._pool = labelnames.index("pool")
         self._currencies = currencies
+        self._bound: dict[tuple[str, ...], Any] = {}  # as LabelChildren; dropped on removal
 
     def labels(self, *values: str) -> Any:
-        return self.metric.labels(*values,
-                                  self._currencies.get(values[self._pool], DEFAULT_CURRENCY))
+        key = (*values, self._currencies.get(values[self._pool], DEFAULT_CURRENCY))
+        child = self._bound.get(key)
+        if child is None:
+            child = self._bound[key] = self.metric.labels(*key)
+        return child
 
     def remove_pool(self, pool: str, currency: str) -> None:
         """Drop the pool's series in `currency`. Not under --workers: prometheus_client cannot
@@ -350,6 +356,7 @@ class _InCurrency:
                  if s.labels.get("pool") == pool and s.labels.get("currency") == currency}
         for values in stale:
             self.metric.remove(*values, currency)
+            self._bound.pop((*values, currency), None)
 
 
 class DeprecatedAliases(Collector):

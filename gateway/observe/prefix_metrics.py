@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.observe.children import LabelChildren
+
 PLACED_BY = ("prefix", "affinity", "headroom")
 
 
 class PrefixMetrics:
     def __init__(self, r: CollectorRegistry) -> None:
+        self.child = LabelChildren()  # gateway/observe/children.py
         self.prompt_tokens = Counter(
             "gateway_prefix_prompt_tokens_total", "Prompt tokens (the engine's count) of "
             "requests placed in pools that route by prefix.", ["pool", "backend"], registry=r)
