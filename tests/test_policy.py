@@ -103,3 +103,14 @@ def test_missing_file(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "nope.yaml: cannot read the file" in result.stderr
+
+
+def test_an_architecture_resolves_once_and_a_copy_with_other_fields_anew() -> None:
+    """The request path reads the profile per request: it is built at load, not each time."""
+    model = parse_policy(GOOD).models[0]
+    assert model.architecture is not None
+    profile = model.architecture.resolve()
+    assert profile is model.architecture.resolve() and profile.name == "qwen2.5-72b"
+    changed = model.architecture.model_copy(update={"num_layers": 3})
+    assert changed.resolve().num_layers == 3
+    assert model.architecture.resolve().num_layers == profile.num_layers != 3

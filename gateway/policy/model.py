@@ -13,10 +13,11 @@ The tree, top down:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from gateway import profiles
 from gateway.cost.templates import BUILTIN_TEMPLATES
@@ -45,6 +46,7 @@ class Architecture(Strict):
     vocab_size: int | None = None
     params: float | None = None
     max_position_embeddings: int | None = None
+    _resolved: profiles.ModelProfile | None = PrivateAttr(default=None)  # resolve()'s answer
 
     @model_validator(mode="before")
     @classmethod
@@ -57,6 +59,24 @@ class Architecture(Strict):
         return self
 
     def resolve(self) -> profiles.ModelProfile:
+        """The profile these fields name. Built once: the request path reads it for every
+        request's estimate and accounting (a dump, a merge and a validation: ~50 us a call)."""
+        # Through the private dict: pydantic's attribute path for a private field takes ~7 us.
+        private = self.__pydantic_private__
+        assert private is not None
+        resolved: profiles.ModelProfile | None = private["_resolved"]
+        if resolved is None:
+            resolved = private["_resolved"] = self._build()
+        return resolved
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Architecture:
+        copy = super().model_copy(update=update, deep=deep)
+        if copy.__pydantic_private__ is not None:  # other fields: another profile
+            copy.__pydantic_private__["_resolved"] = None
+        return copy
+
+    def _build(self) -> profiles.ModelProfile:
         overrides = {k: v for k, v in self.model_dump(exclude={"profile"}).items()
                      if v is not None}
         if self.profile is not None:
