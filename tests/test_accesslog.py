@@ -3,12 +3,20 @@ and loses nothing at exit."""
 
 from __future__ import annotations
 
+import atexit
 import io
+import json
 import logging
+import sys
 import threading
 import time
 
+import pytest
+
+from gateway.observe import accesslog
 from gateway.observe.accesslog import BatchingHandler
+from gateway.observe.record import Record
+from gateway.proxy import Relay
 
 
 def _logger(handler: BatchingHandler) -> logging.Logger:
@@ -97,3 +105,58 @@ def test_a_closed_stream_does_not_kill_the_writer() -> None:
         time.sleep(0.01)
     handler.stop()
     assert out.getvalue() == "kept\n"  # what was logged while it was closed is dropped
+
+
+def _record(request_id: str) -> Record:
+    relay = Relay()
+    relay.status, relay.finished, relay.completion_tokens = 200, 2.5, 7
+    return Record(request_id, "chat", "m", "default", "anonymous", True, 1.0, 12, relay)
+
+
+def test_access_lines_skip_logging_where_the_batching_handler_alone_receives_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the server configures it: the line goes into the writer's deque as a string (no
+    LogRecord), and is written exactly as logging would have written it."""
+    gateway_log = logging.getLogger("gateway")
+    monkeypatch.setattr(gateway_log, "handlers", [])
+    monkeypatch.setattr(gateway_log, "propagate", True)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    monkeypatch.setattr(accesslog, "_direct", None)
+    monkeypatch.setattr(atexit, "register", lambda f: f)
+    level = gateway_log.level
+    accesslog.configure_logging("info")
+    handler = accesslog._direct
+    assert handler is not None
+    try:
+        accesslog.log_record(_record("gw-direct-1"), client_gone=False)
+        accesslog.log_rejection("gw-direct-2", "chat", 400, "bad")
+        assert list(map(type, handler._records)) == [str, str]  # no LogRecord made
+        # Through logging, for the same record: the text written is the same.
+        accesslog.access.info(handler._records[0])
+        handler.drain()
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 3 and lines[0] == lines[2]
+        assert json.loads(lines[0])["id"] == "gw-direct-1"
+        assert json.loads(lines[1]) == {"event": "request", "id": "gw-direct-2",
+                                        "endpoint": "chat", "status": 400, "error": "bad"}
+
+        # Anyone else listening (a test's capture, a second handler): through logging.
+        seen: list[logging.LogRecord] = []
+        capture = logging.Handler()
+        capture.emit = seen.append  # type: ignore[method-assign]
+        accesslog.access.addHandler(capture)
+        try:
+            accesslog.log_record(_record("gw-direct-3"), client_gone=True)
+        finally:
+            accesslog.access.removeHandler(capture)
+        assert [json.loads(r.getMessage())["id"] for r in seen] == ["gw-direct-3"]
+        assert json.loads(seen[0].getMessage())["client_disconnected"] is True
+        # ... and a level above INFO on the gateway's logger still silences it.
+        gateway_log.setLevel(logging.WARNING)
+        accesslog.log_record(_record("gw-direct-4"), client_gone=False)
+        handler.drain()
+        assert "gw-direct-4" not in out.getvalue() and "gw-direct-3" in out.getvalue()
+    finally:
+        handler.stop()
+        gateway_log.setLevel(level)  # setLevel, not an attribute: loggers cache their answer
