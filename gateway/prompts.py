@@ -53,7 +53,9 @@ async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, 
     `behind_chars`: a chat prompt with this much new text may be answered with a bound and
     counted behind (Prompt.pending)."""
     p = await _count(counter, model, data, parsed, who, prior_tokens, block_size, behind_chars)
-    return replace(p, hash_block=block_size) if p.hashes and block_size else p
+    if p.hashes and block_size and p.hash_block != block_size:  # (a chat's says it already)
+        return replace(p, hash_block=block_size)
+    return p
 
 
 async def _count(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
@@ -95,12 +97,13 @@ async def _chat(counter: TokenCounter, model: ModelSpec, messages: Sequence[Any]
     tc = await counter.measure_chat(openai_messages(messages), tools, kwargs, caller=who,
                                     block_size=None if images else block_size,
                                     behind_chars=0 if images or not exact else behind_chars)
+    hash_block = (block_size or 0) if tc.hashes else 0
     if tc.pending is not None:
-        return Prompt(tc.tokens, 1, True, tc.chars, tc.hashes,
+        return Prompt(tc.tokens, 1, True, tc.chars, tc.hashes, hash_block,
                       pending=asyncio.ensure_future(_exact(tc, block_size or 0)),
                       least=tc.least)
     if not images or model.vision is None:
-        return Prompt(tc.tokens, 1, tc.exact and exact, tc.chars, tc.hashes)
+        return Prompt(tc.tokens, 1, tc.exact and exact, tc.chars, tc.hashes, hash_block)
     v = model.vision
     rule = VisionRule(v.tokens_per_image, v.patch_px, v.max_tokens_per_image)
     return Prompt(tc.tokens + sum(rule.tokens(image_size(url)) for url in images), 1, False,
