@@ -187,14 +187,18 @@ _GLOBALS: weakref.WeakKeyDictionary[jinja2.Template, dict[str, Any]] = \
 def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
     """`template.render(**variables)`, less the context's set-up: `render` copies the template's
     globals out of a ChainMap (Python code, a lookup per name) into a new dict on every call,
-    ~20 us of a short chat's render here. Here that copy is made once and each render gets
-    one dict merge; what runs and what it raises are the same (render only rewrites the
+    ~20 us of a short chat's render here, and the context reads it once more for the names.
+    Here that copy is made once and each render gets one dict merge; what runs and what it raises are the same (render only rewrites the
     traceback of what the template raised)."""
     flat = _GLOBALS.get(template)
     if flat is None:
         flat = _GLOBALS[template] = dict(template.globals)
-    context = template.new_context({**flat, **variables}, shared=True)
-    return template.environment.concat(template.root_render_func(context))
+    env = template.environment
+    # The context as `new_context` makes it, given the flat globals where it would read the
+    # ChainMap again (for the names of the globals: a set of the same keys).
+    context = env.context_class(env, {**flat, **variables}, template.name, template.blocks,
+                                globals=flat)
+    return env.concat(template.root_render_func(context))
 
 
 def select_template(templates: str | Mapping[str, str], has_tools: bool) -> str:
