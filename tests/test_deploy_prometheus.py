@@ -618,6 +618,14 @@ def test_money_carries_the_pools_currency() -> None:
     Accountant(usd, m)
     assert money(m) == {("gateway_cost_per_hour", "default"): {"USD"},
                         ("gateway_tenant_cost_total", "long"): {"USD"}}
+    # Priced in EUR again: its removed series is made anew, not the old child written to
+    # unseen (the request path binds children once: gateway/observe/children.py).
+    m.publish_policy(eur)
+    Accountant(eur, m)
+    m.tenant_cost.labels("t", "default").inc(2.0)
+    assert ("gateway_tenant_cost_total", "default") in money(m)
+    assert m.registry.get_sample_value(
+        "gateway_tenant_cost_total", {"tenant": "t", "pool": "default", "currency": "EUR"}) == 2.0
 
 
 def test_deprecated_aliases_under_workers(tmp_path: Path) -> None:

@@ -227,15 +227,15 @@ class GatewayMetrics:
         self.cost_per_hour = _InCurrency(Gauge(
             "gateway_cost_per_hour", "What the pool's GPUs cost per hour (policy cost model), "
             "in `currency`.", ["pool", "currency"], registry=r, multiprocess_mode="livemax"),
-            ("pool",), self._currencies)
+            ("pool",), self._currencies, self.child)
         self.cost_per_million = _InCurrency(Gauge(
             "gateway_cost_per_million_tokens", "Cost per million input or output tokens over "
             "the pool's cost window, in `currency`.", ["pool", "kind", "currency"], registry=r,
-            multiprocess_mode="livemostrecent"), ("pool", "kind"), self._currencies)
+            multiprocess_mode="livemostrecent"), ("pool", "kind"), self._currencies, self.child)
         self.tenant_cost = _InCurrency(Counter(
             "gateway_tenant_cost_total", "Spend attributed to tenants: their tokens at the "
             "pool's current prices, in `currency`.", ["tenant", "pool", "currency"],
-            registry=r), ("tenant", "pool"), self._currencies)
+            registry=r), ("tenant", "pool"), self._currencies, self.child)
         self.token_estimate_error = Histogram(
             "gateway_token_estimate_error_ratio",
             "Relative error of prompt-token estimates for models with tokenizer `none` "
@@ -244,12 +244,12 @@ class GatewayMetrics:
         for op in ("reserve", "release", "refresh", "usage", "quota"):
             self.state_errors.labels(op)  # from 0, so a single error is an increase
             self.state_timeouts.labels(op)
-        self.prefix = PrefixMetrics(r)  # gateway/observe/prefix_metrics.py
+        self.prefix = PrefixMetrics(r, self.child)  # gateway/observe/prefix_metrics.py
         self.kv_events = KVEventMetrics(r)  # gateway/observe/kv_events_metrics.py
         renamed = [self.queue_depth, self.kv_blocks_reserved, self.kv_blocks_capacity,
                    self.prefill_tokens_pending]
         r.register(DeprecatedAliases(lambda: (f for m in renamed for f in m.collect())))
-        self._children: dict[tuple[str, ...], Any] = {}
+        self._pool_children: dict[str, tuple[Any, Any, Any, Any]] = {}
 
     def publish_policy(self, policy: Policy) -> None:
         """Targets, quotas and currencies from the policy in force, as gauges dashboards can
@@ -270,21 +270,16 @@ class GatewayMetrics:
                 if value is not None:
                     self.quota_limit.labels(t.name, window).set(value)
 
-    # Children cached by key: `labels()` takes a lock and builds a tuple on every call.
     def request_done(self, pool: str, model: str, status: int) -> None:
-        key = ("req", pool, model, str(status))
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(pool, model, str(status))
-        child.inc()
+        self.child(self.requests, pool, model, str(status)).inc()
 
     def pool_children(self, pool: str) -> tuple[Any, Any, Any, Any]:
-        key = ("pool", pool)
-        children = self._children.get(key)
+        """A pool's duration, TTFT and TPOT histograms and in-flight gauge, in one lookup."""
+        children = self._pool_children.get(pool)
         if children is None:
-            children = self._children[key] = (
-                self.duration.labels(pool), self.ttft.labels(pool), self.tpot.labels(pool),
-                self.inflight.labels(pool))
+            children = self._pool_children[pool] = tuple(
+                self.child(m, pool) for m in (self.duration, self.ttft, self.tpot,
+                                              self.inflight))
         return children
 
     def install_gc_callback(self) -> None:
@@ -332,19 +327,16 @@ class _InCurrency:
     price update, never per chunk."""
 
     def __init__(self, metric: Gauge | Counter, labelnames: tuple[str, ...],
-                 currencies: dict[str, str]) -> None:
+                 currencies: dict[str, str], children: LabelChildren) -> None:
         self.metric = metric
         self._labelnames = labelnames
         self._pool = labelnames.index("pool")
         self._currencies = currencies
-        self._bound: dict[tuple[str, ...], Any] = {}  # as LabelChildren; dropped on removal
+        self._children = children
 
     def labels(self, *values: str) -> Any:
-        key = (*values, self._currencies.get(values[self._pool], DEFAULT_CURRENCY))
-        child = self._bound.get(key)
-        if child is None:
-            child = self._bound[key] = self.metric.labels(*key)
-        return child
+        return self._children(self.metric, *values,
+                              self._currencies.get(values[self._pool], DEFAULT_CURRENCY))
 
     def remove_pool(self, pool: str, currency: str) -> None:
         """Drop the pool's series in `currency`. Not under --workers: prometheus_client cannot
@@ -356,7 +348,7 @@ class _InCurrency:
                  if s.labels.get("pool") == pool and s.labels.get("currency") == currency}
         for values in stale:
             self.metric.remove(*values, currency)
-            self._bound.pop((*values, currency), None)
+            self._children.forget(self.metric, *values, currency)
 
 
 class DeprecatedAliases(Collector):

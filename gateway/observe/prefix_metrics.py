@@ -15,8 +15,8 @@ PLACED_BY = ("prefix", "affinity", "headroom")
 
 
 class PrefixMetrics:
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.child = LabelChildren()  # gateway/observe/children.py
+    def __init__(self, r: CollectorRegistry, child: LabelChildren) -> None:
+        self.child = child  # the gateway's table of bound children (gateway/observe/children.py)
         self.prompt_tokens = Counter(
             "gateway_prefix_prompt_tokens_total", "Prompt tokens (the engine's count) of "
             "requests placed in pools that route by prefix.", ["pool", "backend"], registry=r)
