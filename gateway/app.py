@@ -47,6 +47,8 @@ from gateway.runtime import Runtime, build_runtime, load_counters, make_session
 from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
 
+STATE_WARM_S = 3.0  # at most this long at start for the state store to answer
+
 log = logging.getLogger("gateway.app")
 
 LAG_INTERVAL_S = 0.1
@@ -149,7 +151,10 @@ class GatewayApp:
         self._counters = {m.name: (m.tokenizer, counters[m.name]) for m in self.policy.models}
         self._session = make_session(self.policy)
         self._state = create_state(self.redis_url, self.state_prefix, self.policy, self.metrics)
-        rt = await self._build(self.policy, counters, None)
+        # Connected while the engines are probed: uvicorn accepts no request before this
+        # returns, so the first reservations find the store ready.
+        rt, _ = await asyncio.gather(self._build(self.policy, counters, None),
+                                     self._state.warm(STATE_WARM_S))
         self._install(rt, None)
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
         self.metrics.install_gc_callback()

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
 from gateway.state import Bucket, Lease, Limits, MemoryState, StateBackend, create_state
 from tests.redis_topologies import redis_cluster, redis_sentinels
+
+MakeState = Callable[..., Awaitable[StateBackend]]
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +30,18 @@ def sentinel_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(params=["memory", "redis", "cluster", "sentinel"])
-def make_state(request: pytest.FixtureRequest, redis_url: str) -> Callable[..., StateBackend]:
-    """A factory: a Redis client must be made inside the event loop that uses it."""
-    if request.param == "memory":
-        return lambda prefix="gw": MemoryState()
-    url = {"redis": redis_url, "cluster": request.getfixturevalue("cluster_url"),
-           "sentinel": request.getfixturevalue("sentinel_url")}[request.param]
-    return lambda prefix="gw": create_state(url, prefix)
+def make_state(request: pytest.FixtureRequest, redis_url: str) -> MakeState:
+    """A factory: a Redis client must be made inside the event loop that uses it, and is
+    warmed as the gateway's lifespan warms it (the slot map, the primary, the scripts)."""
+    url = None if request.param == "memory" else {
+        "redis": redis_url, "cluster": request.getfixturevalue("cluster_url"),
+        "sentinel": request.getfixturevalue("sentinel_url")}[request.param]
+
+    async def make(prefix: str = "gw") -> StateBackend:
+        state = create_state(url, prefix)
+        assert await state.warm(5.0)
+        return state
+    return make
 
 
 def pool() -> str:
@@ -42,9 +50,9 @@ def pool() -> str:
 
 @pytest.mark.anyio
 async def test_reserve_within_limits_and_release_to_zero(
-        make_state: Callable[[], StateBackend]) -> None:
+        make_state: MakeState) -> None:
     p = pool()
-    state = make_state()
+    state = await make_state()
     limits = Limits(max_blocks=100, max_tokens=None)
     a = Lease(p, "b0", "a", 60, 900)
     b = Lease(p, "b0", "b", 50, 800)
@@ -66,9 +74,9 @@ async def test_reserve_within_limits_and_release_to_zero(
 
 @pytest.mark.anyio
 async def test_token_limit_admits_a_lone_large_request(
-        make_state: Callable[[], StateBackend]) -> None:
+        make_state: MakeState) -> None:
     p = pool()
-    state = make_state()
+    state = await make_state()
     limits = Limits(max_blocks=10_000, max_tokens=1000)
     big = Lease(p, "b0", "big", 10, 5000)
     assert (await state.reserve(big, limits, 30)).ok  # alone: never starved by the limit
@@ -82,9 +90,9 @@ async def test_token_limit_admits_a_lone_large_request(
 
 
 @pytest.mark.anyio
-async def test_leases_expire_unless_refreshed(make_state: Callable[[], StateBackend]) -> None:
+async def test_leases_expire_unless_refreshed(make_state: MakeState) -> None:
     p = pool()
-    state = make_state()
+    state = await make_state()
     limits = Limits(max_blocks=100, max_tokens=None)
     kept = Lease(p, "b0", "kept", 10, 10)
     lost = Lease(p, "b0", "lost", 20, 20)
@@ -104,9 +112,9 @@ def test_redis_url_is_required_by_make_test() -> None:
 
 
 @pytest.mark.anyio
-async def test_tenant_share_of_a_pool(make_state: Callable[[], StateBackend]) -> None:
+async def test_tenant_share_of_a_pool(make_state: MakeState) -> None:
     p = pool()
-    state = make_state()
+    state = await make_state()
     limits = Limits(max_blocks=100, max_tokens=None, tenant_max_blocks=30)
     a = Lease(p, "b0", "a", 20, 10, tenant="team-a")
     assert (await state.reserve(a, limits, 30)).ok
@@ -123,9 +131,9 @@ async def test_tenant_share_of_a_pool(make_state: Callable[[], StateBackend]) ->
 
 
 @pytest.mark.anyio
-async def test_token_bucket_take_refund_and_refill(make_state: Callable[[], StateBackend]) -> None:
+async def test_token_bucket_take_refund_and_refill(make_state: MakeState) -> None:
     key = f"tenant-{uuid.uuid4().hex[:8]}"
-    state = make_state()
+    state = await make_state()
     bucket = Bucket(key, capacity=1000, refill_per_s=100.0)
     first = await state.take(bucket, 700)
     assert first.ok and 299 <= first.remaining <= 301
@@ -148,10 +156,10 @@ async def test_token_bucket_take_refund_and_refill(make_state: Callable[[], Stat
 
 @pytest.mark.anyio
 async def test_remembered_values_are_shared_and_expire(
-        make_state: Callable[[], StateBackend]) -> None:
+        make_state: MakeState) -> None:
     # Which backend stored a Responses API response: every replica must find it (Redis).
     key = f"response:{pool()}"
-    writer, reader = make_state(), make_state()
+    writer, reader = await make_state(), await make_state()
     if isinstance(writer, MemoryState):
         reader = writer  # one process's memory: shared with itself only
     await writer.remember(key, "default\tb1\t42", 0.3)
@@ -165,11 +173,11 @@ async def test_remembered_values_are_shared_and_expire(
 
 
 @pytest.mark.anyio
-async def test_a_quota_hold_settles_once(make_state: Callable[..., StateBackend]) -> None:
+async def test_a_quota_hold_settles_once(make_state: MakeState) -> None:
     # What a request took is held under its id until it settles; a settle sent again (after
     # a failure that may have run) or for a hold never taken changes nothing.
     key = f"tenant-{uuid.uuid4().hex[:8]}"
-    state = make_state()
+    state = await make_state()
     bucket = Bucket(key, capacity=1000, refill_per_s=0.001)
     assert (await state.take(bucket, 600, "r1")).remaining == 400
     assert (await state.take(bucket, 600, "r1")).remaining == 400  # a retried take: once
@@ -185,9 +193,9 @@ async def test_a_quota_hold_settles_once(make_state: Callable[..., StateBackend]
 
 
 @pytest.mark.anyio
-async def test_a_quota_hold_expires_taken(make_state: Callable[..., StateBackend]) -> None:
+async def test_a_quota_hold_expires_taken(make_state: MakeState) -> None:
     key = f"tenant-{uuid.uuid4().hex[:8]}"
-    state = make_state()
+    state = await make_state()
     bucket = Bucket(key, capacity=1000, refill_per_s=0.001)
     await state.take(bucket, 600, "gone", ttl_s=0.2)  # its replica died before settling
     await asyncio.sleep(0.35)
@@ -197,9 +205,9 @@ async def test_a_quota_hold_expires_taken(make_state: Callable[..., StateBackend
 
 
 @pytest.mark.anyio
-async def test_replicas_count_each_other(make_state: Callable[..., StateBackend]) -> None:
+async def test_replicas_count_each_other(make_state: MakeState) -> None:
     prefix = f"hb-{uuid.uuid4().hex[:8]}"  # its own heartbeat key, even on a shared Redis
-    a, b = make_state(prefix), make_state(prefix)
+    a, b = await make_state(prefix), await make_state(prefix)
     if isinstance(a, MemoryState):
         assert await a.heartbeat("a", 0.3) == 1  # one process: alone by definition
         return
@@ -209,3 +217,15 @@ async def test_replicas_count_each_other(make_state: Callable[..., StateBackend]
     assert await b.heartbeat("b", 0.3) == 1
     await a.close()
     await b.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1", "redis+cluster://127.0.0.1:1"])
+async def test_warming_a_store_that_is_down_gives_up_in_time(url: str) -> None:
+    # The gateway warms its store at start; a store down then delays the start by no more
+    # than the deadline, and calls later take the fail mode (tests/test_state_breaker.py).
+    state = create_state(url, "gw")
+    started = time.monotonic()
+    assert not await state.warm(1.0)
+    assert time.monotonic() - started < 1.5
+    await state.close()

@@ -129,5 +129,10 @@ class StateBackend(abc.ABC):
         """Announce this replica; return how many replicas are alive (for fail-open shares)."""
         return 1
 
+    async def warm(self, deadline_s: float) -> bool:
+        """Make the first calls as fast as the rest (connect, discover, load scripts) within
+        `deadline_s`; False when the store did not answer (calls then take the fail mode)."""
+        return True
+
     async def close(self) -> None:
         return None

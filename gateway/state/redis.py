@@ -182,6 +182,8 @@ class RedisState(StateBackend):
         self._usage = self.client.register_script(_script("usage.lua", with_purge=True))
         self._bucket = self.client.register_script(_script("bucket.lua"))
         self._heartbeat = self.client.register_script(_script("heartbeat.lua"))
+        self._scripts = (self._reserve, self._release, self._refresh, self._usage,
+                         self._bucket, self._heartbeat)
         self._seen: dict[str, tuple[int, float]] = {}  # bucket key -> (level, when: clock)
         # Leases to release at the next answer: their reserve may have run unseen (it timed
         # out), or their release failed.
@@ -414,6 +416,26 @@ class RedisState(StateBackend):
         alive = await self._call("refresh", lambda: self._heartbeat(
             keys=[replicas_key(self.prefix)], args=[replica_id, int(ttl_s * 1000)]))
         return max(1, int(alive))
+
+    async def warm(self, deadline_s: float) -> bool:
+        # A new client's first call otherwise does it all under state.timeout_s: a cluster
+        # client asks for the slot map and connects to each primary, a Sentinel client asks
+        # for the primary, and each script is sent in full once per node (EVALSHA misses).
+        # Under load at start that first reservation can outlast the deadline and take the
+        # fail mode for no fault of the store.
+        try:
+            async with asyncio.timeout(deadline_s):
+                if isinstance(self.client, RedisCluster):
+                    await self.client.initialize()
+                await self.client.ping()
+                for script in self._scripts:  # a cluster loads them on every primary
+                    await self.client.script_load(script.script)
+        except Exception as exc:  # the store down at start is not fatal: the fail mode holds
+            log.warning("state backend %s: not warmed within %g s (%s: %s); the first calls "
+                        "connect on their own", safe(self.url), deadline_s,
+                        type(exc).__name__, exc)
+            return False
+        return True
 
     async def close(self) -> None:
         if self._flush is not None:
