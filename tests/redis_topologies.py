@@ -101,11 +101,21 @@ class Node:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _cluster_port() -> int:
     """A free loopback port for a cluster node whose bus port (port + 10000) is free too:
-    Redis 7.0 puts the bus there and refuses a port above 55535."""
+    Redis 7.0 puts the bus there and refuses a port above 55535. Both below the kernel's
+    ephemeral range: a port free when checked could otherwise be taken by any outgoing
+    connection before redis-server binds it (seen once in a full suite)."""
+    high = min(55535, _ephemeral_low() - 10001)
     for _ in range(500):
-        port = random.randint(20000, 55535)
+        port = random.randint(20000, high) if high > 20000 else random.randint(20000, 55535)
         with socket.socket() as a, socket.socket() as b:
             try:
                 a.bind(("127.0.0.1", port))
