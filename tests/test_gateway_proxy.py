@@ -5,6 +5,11 @@ Real servers on loopback: the simulated engine and the gateway run as processes.
 
 from __future__ import annotations
 
+import socket
+import sys
+import time
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -12,10 +17,12 @@ from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     Server,
     free_port,
+    gateway_cmd,
     http,
     metric,
     openai_client,
     poll_metric,
+    run_server,
     scrape,
     settled,
 )
@@ -172,3 +179,50 @@ def test_each_stage_of_a_request_is_timed(sim_and_gateway: tuple[Server, Server]
     assert http("POST", gw.url + "/gateway/estimate",
                 {"model": "test-model", "messages": MESSAGES}).status == 200
     assert metric(scrape(gw.url), "gateway_request_stage_seconds_count", stage="count") == 2
+
+
+# One request holds the pool's in-flight tokens (admitted alone: a lone request is never
+# starved by the limit); the next one waits in the queue.
+_ONE_AT_A_TIME = "    admission: {inflight_tokens_max: 50, queue_size: 8, queue_wait_max_s: 60}\n"
+_UNDER_UVICORN = (
+    "import sys, uvicorn\n"
+    "from gateway.app import create_app\n"
+    "from gateway.policy import load_policy\n"
+    "uvicorn.run(create_app(load_policy(sys.argv[1])), host='127.0.0.1',"
+    " port=int(sys.argv[2]), http='h11', log_level='warning')\n")
+
+
+@pytest.mark.parametrize("server", ["gateway", "uvicorn-h11"])
+def test_a_caller_gone_while_queued_frees_its_place_at_once(
+        start_sim: StartSim, tmp_path: Path, server: str) -> None:
+    """The caller hangs up while its request waits for admission: the wait ends at once and
+    the request counts as a 499. The gateway's own server reports the lost connection itself
+    (no task per request reading for it), also when the body came in one read past uvicorn's
+    64 KiB buffer, which leaves reading paused (and a lost connection unseen) unless the
+    notice resumes it; under another ASGI server (uvicorn's h11 protocol here) a task
+    waits on `receive()` for the disconnect, as ASGI has it."""
+    with start_sim() as sim:
+        path = tmp_path / "policy.yaml"
+        path.write_text(policy_yaml([sim.url], pool_extra=_ONE_AT_A_TIME))
+        cmd = gateway_cmd("serve", "--policy", str(path), "--port", "{port}") \
+            if server == "gateway" else [sys.executable, "-c", _UNDER_UVICORN, str(path), "{port}"]
+        with run_server(cmd, "/healthz", tmp_path, server) as gw:
+            holder = openai_client(gw.url).chat.completions.create(
+                model="test-model", messages=MESSAGES, max_tokens=4000,  # type: ignore[arg-type]
+                stream=True, extra_body={"ignore_eos": True})
+            next(iter(holder))
+            body = (b'{"model": "test-model", "max_tokens": 400, "messages": '
+                    b'[{"role": "user", "content": "Hello there."}]' + b" " * 100_000 + b"}")
+            with socket.create_connection(("127.0.0.1", gw.port)) as caller:
+                caller.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+                               b"content-type: application/json\r\n"
+                               b"content-length: %d\r\n\r\n" % len(body))
+                time.sleep(0.2)  # the body in one read while the request waits for it
+                caller.sendall(body)
+                poll_metric(gw.url, "gateway_queue_requests", lambda v: v == 1, pool="default")
+            left = time.monotonic()
+            poll_metric(gw.url, "gateway_queue_requests", lambda v: v == 0, pool="default")
+            assert time.monotonic() - left < 2.0  # not the queue's 60 s wait
+            poll_metric(gw.url, "gateway_requests_total", lambda v: v == 1, status="499")
+            holder.close()
+            poll_metric(gw.url, "gateway_inflight_requests", lambda v: v == 0, pool="default")

@@ -26,8 +26,10 @@ from gateway.pipeline import Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
+from gateway.serving.server import DISCONNECT_EXTENSION, DisconnectNotice
 
 _JSON = (b"content-type", b"application/json")
+_NO_EXTENSIONS: Mapping[str, Any] = {}
 _ID_PREFIX = os.urandom(4).hex()
 _ids = itertools.count(1)
 _READ_HEADERS = frozenset({b"x-request-id", b"x-priority", b"authorization",
@@ -50,17 +52,18 @@ def inbound(scope: Scope, endpoint: Endpoint | None) -> Inbound:
 class AsgiClient:
     """The caller of one request, over ASGI: what the pipeline's `Client` asks for."""
 
-    __slots__ = ("_cut", "_linger_s", "_task", "_watcher", "gone", "headers", "receive",
-                 "rid", "send")
+    __slots__ = ("_cut", "_linger_s", "_notice", "_task", "_watcher", "gone", "headers",
+                 "receive", "rid", "send")
 
     def __init__(self, receive: Receive, send: Send, headers: Mapping[bytes, bytes],
-                 request_id: str) -> None:
+                 request_id: str, notice: DisconnectNotice | None = None) -> None:
         self.receive = receive
         self.send = send
         self.headers = headers
         self.rid = (b"x-request-id", request_id.encode())
         self.gone = False
         self._task = asyncio.current_task()
+        self._notice = notice
         self._watcher: asyncio.Future[Any] | None = None
         self._linger_s: float | None = None
         self._cut: asyncio.TimerHandle | None = None
@@ -101,26 +104,35 @@ class AsgiClient:
 
     def watch(self) -> None:
         """From here on (the body is read) a disconnect cancels the request's task at once,
-        so a caller leaving while it waits in the queue or on the engine frees its place."""
+        so a caller leaving while it waits in the queue or on the engine frees its place.
+        The gateway's own server says so itself (gateway/serving/server.py); under any other
+        ASGI server a task waits on `receive()` for `http.disconnect`."""
+        if self._notice is not None:
+            self._notice.watch(self._lost)
+            return
         self._watcher = asyncio.ensure_future(self.receive())
         self._watcher.add_done_callback(self._disconnected)
 
     def _disconnected(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None \
                 and fut.result()["type"] == "http.disconnect":
-            self.gone = True
-            if self._task is None:
-                return
-            if self._linger_s is None:
-                self._task.cancel()
-            else:
-                self._cut = asyncio.get_running_loop().call_later(self._linger_s,
-                                                                  self._task.cancel)
+            self._lost()
+
+    def _lost(self) -> None:
+        self.gone = True
+        if self._task is None:
+            return
+        if self._linger_s is None:
+            self._task.cancel()
+        else:
+            self._cut = asyncio.get_running_loop().call_later(self._linger_s, self._task.cancel)
 
     def linger(self, seconds: float) -> None:
         self._linger_s = seconds
 
     def detach(self) -> None:
+        if self._notice is not None:
+            self._notice.watch(None)
         if self._watcher is not None:
             self._watcher.remove_done_callback(self._disconnected)
             self._watcher.cancel()
@@ -166,7 +178,8 @@ class CompletionsEndpoint(PipelineEndpoint):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.pipeline()
         request = inbound(scope, self.endpoint)
-        client = AsgiClient(receive, send, request.headers, request.request_id)
+        client = AsgiClient(receive, send, request.headers, request.request_id,
+                            scope.get("extensions", _NO_EXTENSIONS).get(DISCONNECT_EXTENSION))
         await pipeline.serve(request, client, on_read=client.watch)
 
 

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,40 @@ SWITCH_INTERVAL_S = 0.005
 
 # Method, spaces, "HTTP/1.1" and the line ends the parser does not hand over.
 _REQUEST_LINE_OVERHEAD = 20
+
+# The scope extension under which a request finds its `DisconnectNotice`.
+DISCONNECT_EXTENSION = "gateway.disconnect"
+
+
+class DisconnectNotice:
+    """Tells one request that its caller's connection was lost before its response was
+    complete: the server calls `callback` (set by the app) from `connection_lost`.
+
+    ASGI's own way is a task per request awaiting `receive()` until it yields
+    `http.disconnect`: a task, its coroutine and an event waiter held for as long as the
+    request lives, and a loop turn to start it just as the request is about to be forwarded.
+    The notice holds nothing of the request (the scope holds it): no cycle for the collector.
+    """
+
+    __slots__ = ("_flow", "callback")
+
+    def __init__(self, flow: Any) -> None:
+        self._flow = flow
+        self.callback: Callable[[], None] | None = None
+
+    def watch(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` on a disconnect from now on (None: no more)."""
+        self.callback = callback
+        if callback is not None:
+            # A body that came in one read past uvicorn's high-water mark leaves reading
+            # paused, and a connection that is not read reports no loss; `receive()` resumes
+            # it the same way.
+            self._flow.resume_reading()
+
+    def _lost(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -58,6 +93,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._begun = 0  # requests begun in the read being parsed
         self._discarding = False
         self._head_timer: asyncio.TimerHandle | None = None
+        # The requests on this connection not yet answered in full, with their notices.
+        self._notices: list[tuple[Any, DisconnectNotice]] = []
 
     # --- time -----------------------------------------------------------------------------
 
@@ -68,6 +105,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        notices, self._notices = self._notices, []
+        for cycle, notice in notices:
+            if not cycle.response_complete:
+                notice._lost()
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -146,6 +187,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse_too_large()
             return  # the app never sees it
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope and not self.transport.is_closing():
+            # The request's task is made, not started: the scope can still take the notice.
+            # Answered requests' notices go (a keep-alive connection serves many).
+            notice = DisconnectNotice(self.flow)
+            notices = [n for n in self._notices if not n[0].response_complete]
+            notices.append((cycle, notice))
+            self._notices = notices
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[DISCONNECT_EXTENSION] = notice
 
     def on_body(self, body: bytes) -> None:
         if not self._discarding:
