@@ -55,6 +55,7 @@ from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
+from gateway.serving.finish import finish
 
 log = logging.getLogger("gateway.api")
 
@@ -352,12 +353,13 @@ class Pipeline:
             for job in (behind, pending):  # a count no one will read (its rebooking goes on)
                 if job is not None and not job.done():
                     job.cancel()
-            # Shielded: a second cancellation must not leak a reservation or a quota.
+            # Finished whatever cancels the request: a second cancellation must not leak a
+            # reservation or a quota (gateway/serving/finish.py).
             if ticket is not None:
-                await asyncio.shield(rt.admission.release(ticket))
+                await finish(rt.admission.release(ticket))
             if quota is not None:
-                await asyncio.shield(rt.quotas.settle(quota, charge_of(record, quota.taken,
-                                                                       client.gone)))
+                await finish(rt.quotas.settle(quota, charge_of(record, quota.taken,
+                                                               client.gone)))
         if record is not None:
             self.observe(record, client.gone, forward_start)
         elif client.gone and not refused:  # left before it went upstream: counted all the same
