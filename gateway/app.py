@@ -161,6 +161,7 @@ class GatewayApp:
         heap = HeapKeeper(self.metrics, self.policy.server.gc_freeze_interval_s,
                           self.policy.server.gc_sweep_interval_s)
         heap.settle()
+        heap.install()
         gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
         if gc_every > 0:  # benchmarks: force full collections (sweeps) to measure their stall
             # Only while requests are open: an idle benchmark gateway beside the one measured
@@ -181,6 +182,7 @@ class GatewayApp:
                 task.cancel()
             await asyncio.gather(lag, keeper, *self._tasks, return_exceptions=True)
             self.metrics.remove_gc_callback()
+            heap.uninstall()
             await self._session.close()
             await self._state.close()
             for _, counter in self._counters.values():
