@@ -55,7 +55,7 @@ from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
-from gateway.serving.finish import finish
+from gateway.serving.eager import finish
 
 log = logging.getLogger("gateway.api")
 
@@ -354,7 +354,7 @@ class Pipeline:
                 if job is not None and not job.done():
                     job.cancel()
             # Finished whatever cancels the request: a second cancellation must not leak a
-            # reservation or a quota (gateway/serving/finish.py).
+            # reservation or a quota (gateway/serving/eager.py).
             if ticket is not None:
                 await finish(rt.admission.release(ticket))
             if quota is not None:

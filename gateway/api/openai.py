@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import http_error
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
@@ -26,6 +26,7 @@ from gateway.pipeline import Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
+from gateway.serving.eager import start
 from gateway.serving.server import DISCONNECT_EXTENSION, DisconnectNotice
 
 _JSON = (b"content-type", b"application/json")
@@ -80,12 +81,23 @@ class AsgiClient:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"The request body is {int(declared)} bytes; the limit is "
                                f"{limit} bytes.")
+        # Most bodies come with the head: the first receive() then does not wait, and needs
+        # no timer (eager.start); the deadline is set only once one would wait.
+        receiving = self.receive()
+        first: Message | Awaitable[Message] = \
+            start(receiving) if isinstance(receiving, Coroutine) else receiving
+        if isinstance(first, MutableMapping) and first["type"] == "http.request" \
+                and not first.get("more_body", False):
+            body: bytes = first.get("body", b"")
+            if len(body) > limit:
+                raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            return body
         parts: list[bytes] = []
         size = 0
         try:
             async with asyncio.timeout(timeout_s):
+                message: Message = first if isinstance(first, MutableMapping) else await first
                 while True:
-                    message = await self.receive()
                     if message["type"] == "http.disconnect":
                         self.gone = True
                         raise ClientGone
@@ -97,6 +109,7 @@ class AsgiClient:
                     parts.append(chunk)
                     if not message.get("more_body", False):
                         break
+                    message = await self.receive()
         except TimeoutError:
             raise RequestTimeout(f"The request body did not arrive within {timeout_s:g}s.") \
                 from None

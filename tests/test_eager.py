@@ -1,4 +1,4 @@
-"""`finish`: a release that must run to its end, eagerly, shielded only when it waits."""
+"""`start` and `finish`: coroutines run at once, guarded only once they wait."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.serving.finish import finish
+from gateway.serving.eager import Resumed, finish, start
 
 
 @pytest.mark.anyio
@@ -84,3 +84,40 @@ async def test_what_the_awaited_futures_give_is_passed_on() -> None:
         return await first + await second
 
     assert await finish(reads()) == 42
+
+
+@pytest.mark.anyio
+async def test_start_tells_whether_it_waited() -> None:
+    async def ready() -> str:
+        return "body"
+
+    gate = asyncio.Event()
+
+    async def waits() -> str:
+        await gate.wait()
+        return "later"
+
+    assert start(ready()) == "body"
+    rest = start(waits())
+    assert isinstance(rest, Resumed)
+    asyncio.get_running_loop().call_soon(gate.set)
+    assert await rest == "later"
+
+
+@pytest.mark.anyio
+async def test_a_timeout_around_the_rest_cancels_it() -> None:
+    cancelled: list[bool] = []
+
+    async def waits_forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    rest = start(waits_forever())
+    assert isinstance(rest, Resumed)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await rest
+    assert cancelled == [True]
