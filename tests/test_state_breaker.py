@@ -196,3 +196,24 @@ def test_the_breaker_lets_one_probe_through_per_interval() -> None:
     assert b.state == CLOSED and b.admit() is False
     assert changes == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, OPEN), (OPEN, HALF_OPEN),
                        (HALF_OPEN, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+
+
+def test_a_redis_hung_at_start_delays_serving_by_the_warm_deadline_only(
+        tmp_path: Path, start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # The state client is warmed before the gateway serves (slot map, primary, scripts); a
+    # store that never answers gives up the warming after its deadline, with a warning, and
+    # the requests then take the fail mode until the store answers.
+    with redis_server(tmp_path) as r, start_sim() as sim:
+        assert r.process is not None
+        os.kill(r.process.pid, signal.SIGSTOP)
+        try:
+            with start_gateway(policy(sim.url, "open"), "--redis-url", r.url) as gw:
+                assert "not warmed within 3 s" in gw.log_path.read_text()
+                assert http("POST", gw.url + CHAT, body(), timeout=30).status == 200
+                os.kill(r.process.pid, signal.SIGCONT)
+                poll_metric(gw.url, BREAKER, lambda v: v == 0,
+                            timeout=PROBE_S + 3 * TIMEOUT_S + 3)
+                assert http("POST", gw.url + CHAT, body()).status == 200
+                quiet(gw.url)
+        finally:
+            os.kill(r.process.pid, signal.SIGCONT)
