@@ -35,6 +35,7 @@ from gateway.admission.pool import Ticket
 from gateway.admission.prefixes import hash_block_size
 from gateway.affinity import Held
 from gateway.cost import PromptTooLong, RequestCostError, estimate
+from gateway.eager import finish
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
@@ -55,7 +56,6 @@ from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
-from gateway.serving.eager import finish
 
 log = logging.getLogger("gateway.api")
 
@@ -354,7 +354,7 @@ class Pipeline:
                 if job is not None and not job.done():
                     job.cancel()
             # Finished whatever cancels the request: a second cancellation must not leak a
-            # reservation or a quota (gateway/serving/eager.py).
+            # reservation or a quota (gateway/eager.py).
             if ticket is not None:
                 await finish(rt.admission.release(ticket))
             if quota is not None:

@@ -21,12 +21,12 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import http_error
+from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
 from gateway.pipeline import Inbound, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
-from gateway.serving.eager import start
 from gateway.serving.server import DISCONNECT_EXTENSION, DisconnectNotice
 
 _JSON = (b"content-type", b"application/json")
