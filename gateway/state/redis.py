@@ -430,10 +430,13 @@ class RedisState(StateBackend):
                 await self.client.ping()
                 for script in self._scripts:  # a cluster loads them on every primary
                     await self.client.script_load(script.script)
+        except TimeoutError:
+            log.warning("state backend %s: not warmed within %g s (no answer); the first calls "
+                        "connect on their own", safe(self.url), deadline_s)
+            return False
         except Exception as exc:  # the store down at start is not fatal: the fail mode holds
-            log.warning("state backend %s: not warmed within %g s (%s: %s); the first calls "
-                        "connect on their own", safe(self.url), deadline_s,
-                        type(exc).__name__, exc)
+            log.warning("state backend %s: not warmed (%s: %s); the first calls connect on "
+                        "their own", safe(self.url), type(exc).__name__, exc)
             return False
         return True
 
