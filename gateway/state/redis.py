@@ -428,8 +428,10 @@ class RedisState(StateBackend):
                 if isinstance(self.client, RedisCluster):
                     await self.client.initialize()
                 await self.client.ping()
-                for script in self._scripts:  # a cluster loads them on every primary
-                    await self.client.script_load(script.script)
+                # Together: one round trip's wait, not one per script (a cluster loads each
+                # on every primary).
+                await asyncio.gather(*(self.client.script_load(script.script)
+                                       for script in self._scripts))
         except TimeoutError:
             log.warning("state backend %s: not warmed within %g s (no answer); the first calls "
                         "connect on their own", safe(self.url), deadline_s)
