@@ -52,6 +52,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import pipeline_probe  # noqa: E402
 from loadtest.client import (  # noqa: E402  (after the path fix, so it runs from a checkout)
     LoopLagProbe,
     RequestSpec,
@@ -536,7 +537,10 @@ def cold_code_probe(cpu: int | None) -> str:
     """How much slower the gateway's request parse runs after the CPU sat idle for as long as
     it does between requests at 10 streams. On a virtual machine whose idle vCPU loses its
     caches to the host, every stage of a request at low load runs that much slower: the
-    floor's added latency then measures the machine as much as the proxy."""
+    floor's added latency then measures the machine as much as the proxy. The same gap spent
+    spinning in this process (the vCPU never idle, nothing else run on it) tells whether
+    idling is the cause (busy polling would help) or time alone (the host evicts whatever
+    sat unused; only touching less code and data per request helps)."""
     from gateway.protocol import endpoint_of, parse_request
 
     body = orjson.dumps({"model": MODEL, "max_tokens": 16, "stream": True,
@@ -545,22 +549,45 @@ def cold_code_probe(cpu: int | None) -> str:
     before = os.sched_getaffinity(0)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+
+    def spin(gap_s: float) -> None:
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            pass
+
     try:
-        def timed(gap_s: float, n: int) -> float:
+        def timed(wait: Callable[[float], None] | None, n: int) -> float:
             out = []
             for _ in range(n):
-                if gap_s:
-                    time.sleep(gap_s)
+                if wait is not None:
+                    wait(COLD_GAP_S)
                 t = time.perf_counter()
                 parse_request(body, endpoint)
                 out.append(time.perf_counter() - t)
             return median(out) * 1e6
-        hot, cold = timed(0.0, 400), timed(COLD_GAP_S, 60)
+        hot, cold, spun = timed(None, 400), timed(time.sleep, 60), timed(spin, 60)
     finally:
         os.sched_setaffinity(0, before)
     return (f"Cold code: the gateway's parse of a 30-token chat request takes {hot:.1f} us "
-            f"back to back and {cold:.1f} us after {COLD_GAP_S * 1e3:.0f} ms idle on the "
-            f"proxy's CPU ({cold / hot:.1f}x)")
+            f"back to back, {cold:.1f} us after {COLD_GAP_S * 1e3:.0f} ms idle on the "
+            f"proxy's CPU ({cold / hot:.1f}x) and {spun:.1f} us after {COLD_GAP_S * 1e3:.0f} "
+            f"ms spinning there ({spun / hot:.1f}x)")
+
+
+def pipeline_context(policies: dict[str, Path], cpu: int | None) -> str:
+    """The gateway's own work before upstream, in-process (benchmarks/pipeline_probe.py): the
+    floor's and shipped's, back to back and after part A's gap idle. The tree's own gateway
+    package, whatever `--gateway` runs."""
+    parts = []
+    for kind in ("floor", "shipped"):
+        r = asyncio.run(pipeline_probe.probe(
+            policies[kind].read_text(), pipeline_probe.chat_body(MODEL, PROMPT[0]),
+            gap_s=COLD_GAP_S, cpu=cpu))
+        parts.append(f"{kind} {r.hot_us:.0f} us hot, {r.cold_us:.0f} us after "
+                     f"{COLD_GAP_S * 1e3:.0f} ms idle")
+    return ("The gateway's work before upstream, in-process with no socket "
+            "(benchmarks/pipeline_probe.py, one user message of --prompt-words): "
+            + "; ".join(parts))
 
 
 def write_doc(path: Path, body: list[str]) -> None:
@@ -1026,10 +1053,11 @@ def main(argv: list[str] | None = None) -> int:
                 targets.append(Target(f"minimal-{name}", proc.url, proc))
             else:
                 raise SystemExit(f"unknown target {name!r}")
+        context.append(pipeline_context(policies, proxy_cpu))
         out = Report()
         out("Machine: " + context[0] + ".")
-        out(context[1] + ".")
-        out(context[2] + ".")
+        for line in context[1:]:
+            out(line + ".")
         pinning = ("proxy under test pinned to CPU 1, engine and client to CPU 0" if pin
                    else "no CPU pinning") + (f", all at nice {args.nice}" if args.nice else "") \
             + (", all at real-time priority (SCHED_RR 1)" if args.realtime else "")
