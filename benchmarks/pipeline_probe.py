@@ -109,6 +109,8 @@ async def probe(policy_text: str, body: bytes, *, gap_s: float, hot_n: int = 300
         for _ in range(cold_n):
             await asyncio.sleep(gap_s)  # the CPU idle, as between requests at low load
             cold.append(await once())
+        if rt.admission.live:  # each request released as `serve` releases it
+            raise RuntimeError(f"the probe left {len(rt.admission.live)} reservations")
         return ProbeResult(median(hot) * 1e6, median(cold) * 1e6)
     finally:
         os.sched_setaffinity(0, before)
