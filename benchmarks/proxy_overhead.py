@@ -535,9 +535,9 @@ COLD_GAP_S = 0.035  # part A's gap between one stream's requests at 10 streams, 
 
 def cold_code_probe(cpu: int | None) -> str:
     """How much slower the gateway's request parse runs after the CPU sat idle for as long as
-    it does between requests at 10 streams. On a virtual machine whose idle vCPU loses its
-    caches to the host, every stage of a request at low load runs that much slower: the
-    floor's added latency then measures the machine as much as the proxy. The same gap spent
+    it does between requests at 10 streams. On a virtual machine that loses its caches to the
+    host meanwhile, every stage of a request at low load runs that much slower: the floor's
+    added latency then measures the machine as much as the proxy. The same gap spent
     spinning in this process (the vCPU never idle, nothing else run on it) tells whether
     idling is the cause (busy polling would help) or time alone (the host evicts whatever
     sat unused; only touching less code and data per request helps)."""
