@@ -206,8 +206,10 @@ class GatewayApp:
 
     def _show_encoders(self, rt: Runtime) -> None:
         gauge = self.metrics.tokenizer_rank_encoder
+        native = self.metrics.chat_template_native
         for model, counter in rt.counters.items():
             gauge.labels(model).set(getattr(counter.tokenizer, "rank_bpe", None) is not None)
+            native.labels(model).set(getattr(counter.tokenizer, "native_render", False))
 
     def _install(self, rt: Runtime, old: Runtime | None) -> None:
         assert self._session is not None
@@ -286,9 +288,10 @@ class GatewayApp:
             # A new chat template is a new count too; a new encoder the same count, made anew.
             if counter is None or spec != m.tokenizer \
                     or getattr(counter.tokenizer, "chat_template_spec", None) != m.chat_template \
-                    or getattr(counter.tokenizer, "encoder", "auto") != m.encoder:
+                    or getattr(counter.tokenizer, "encoder", "auto") != m.encoder \
+                    or getattr(counter.tokenizer, "renderer", "auto") != m.renderer:
                 counter = TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template,
-                                                      encoder=m.encoder),
+                                                      encoder=m.encoder, renderer=m.renderer),
                                        policy.server.max_prompt_chars)
                 counter.warm()  # in the reload's thread, as loading the tokenizer
                 self._counters[m.name] = (m.tokenizer, counter)

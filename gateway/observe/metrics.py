@@ -132,6 +132,13 @@ class GatewayMetrics:
             "1 while the model's prompts are counted by the rank encoder (tiktoken's core, the "
             "Hugging Face encoder's ids), 0 while by the Hugging Face encoder.",
             ["model"], registry=r, multiprocess_mode="livemin")
+        # Which renders each model's chat template (gateway/cost/native.py): 0 for a template
+        # it does not know, `renderer: jinja`, or for good after its canary found a difference.
+        self.chat_template_native = Gauge(
+            "gateway_chat_template_native",
+            "1 while the model's chat template (for requests without tools) is rendered in "
+            "plain Python, 0 while by Jinja.",
+            ["model"], registry=r, multiprocess_mode="livemin")
         # Long new prompts (server.count_behind_chars): sent on a bound while counted, or the
         # count waited for where the bound would have decided otherwise.
         self.counted_behind = Counter(

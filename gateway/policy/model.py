@@ -124,6 +124,9 @@ class ModelSpec(Strict):
     # auto: count with tiktoken's rank encoder where it gives the Hugging Face encoder's ids
     # (checked at load; gateway/cost/rankbpe.py), 7-11x faster; huggingface: never.
     encoder: Literal["auto", "huggingface"] = "auto"
+    # auto: the chat templates gateway/cost/native.py knows by their exact text (Qwen3, Qwen2.5,
+    # Llama 3, 3.1/3.3) rendered in plain Python, the same text 10-20x sooner; jinja: never.
+    renderer: Literal["auto", "jinja"] = "auto"
     architecture: Architecture | None = None
     dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     kv_cache_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
