@@ -77,6 +77,7 @@ models:
   - name: {model}
     tokenizer: {tokenizer}
     encoder: {encoder}
+    renderer: {renderer}
 {architecture}pools:
   default:
     engine: openai
@@ -109,11 +110,12 @@ FLOOR = {"tokenizer": "none", "architecture": ""}
 
 def policy_text(engine: str, fields: dict[str, str], *, tpot: float = 0.06,
                 stages: str = "true", inline: int = 512, freeze: float = 0.1,
-                encoder: str = "auto", behind: int = 1024) -> str:
+                encoder: str = "auto", behind: int = 1024, renderer: str = "auto") -> str:
     """POLICY for one target: `fields` is FLOOR or SHIPPED, the rest the server's defaults
     unless a variant target changes one."""
     return POLICY.format(model=MODEL, engine=engine, tpot=tpot, stages=stages, inline=inline,
-                         freeze=freeze, encoder=encoder, behind=behind, **fields)
+                         freeze=freeze, encoder=encoder, behind=behind, renderer=renderer,
+                         **fields)
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 
@@ -939,6 +941,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shipped-countfirst (every prompt counted before it is sent: "
                         "server.count_behind_chars 0), shipped-behind4k (from 4,096), "
                         "shipped-switch1ms (the GIL's switch interval 1 ms), "
+                        "shipped-jinja (every chat template rendered by Jinja, "
+                        "models[].renderer: jinja), "
                         "aiohttp, "
                         "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
@@ -1013,16 +1017,17 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages, inline, freeze, encoder, behind in (
-                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024),
-                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024),
-                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024),
-                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024),
-                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024),
-                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024),
-                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024),
-                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0),
-                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096)):
+        for kind, fields, stages, inline, freeze, encoder, behind, renderer in (
+                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024, "auto"),
+                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto"),
+                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024, "auto"),
+                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024, "auto"),
+                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024, "auto"),
+                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024, "auto"),
+                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024, "auto"),
+                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0, "auto"),
+                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096, "auto"),
+                ("shipped-jinja", SHIPPED, "true", 512, 0.1, "auto", 1024, "jinja")):
             policies[kind] = work / f"policy-{kind}.yaml"
             # The SLO the planner derives the latency guard from: the default 60 ms per token,
             # or twice the stub's token interval when --itl-ms is longer, so the guard does
@@ -1030,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
             tpot = max(0.06, 2 * args.itl_ms / 1e3)
             policies[kind].write_text(policy_text(engine.url, fields, tpot=tpot,
                                                   stages=stages, inline=inline, freeze=freeze,
-                                                  encoder=encoder, behind=behind))
+                                                  encoder=encoder, behind=behind,
+                                                  renderer=renderer))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:

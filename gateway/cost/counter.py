@@ -4,12 +4,13 @@ A 16K-token prompt takes ~15 ms to encode; on the event loop that would stall ev
 gateway is relaying. So encoding runs in a small thread pool: the Rust encoder releases the GIL
 (`encode_batch_fast`) and threads share one piece cache, which a process pool would split per
 worker and pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
-The template render and cache lookups (~0.7 ms for a 16K-token history) are Python and hold the
-GIL in the worker; the loop can wait for it up to the interpreter's switch interval (5 ms by
-default), so the server should lower it (`sys.setswitchinterval(0.001)`). Rendering on the loop
-instead was measured too: requests arriving together then render back to back in one loop
-iteration, which is worse, except for short prompts (`inline_chars`), whose whole count costs
-less than the hop to a worker and back.
+The template render and cache lookups (a 16K-token history of 17 messages: ~0.2 ms hot and
+~0.5 cold with gateway/cost/native.py's render, ~0.6 / ~1.0 ms with Jinja's) are Python and
+hold the GIL in the worker; the loop can wait for it up to the interpreter's switch interval
+(5 ms by default), so the server should lower it (`sys.setswitchinterval(0.001)`). Rendering
+on the loop instead was measured too: requests arriving together then render back to back in
+one loop iteration, which is worse, except for short prompts (`inline_chars`), whose whole
+count costs less than the hop to a worker and back.
 
 The character limit is checked on the loop before anything is queued: it is O(characters) with no
 rendering, and a prompt over it must cost the gateway nothing more than that.
@@ -58,7 +59,8 @@ RANK_INLINE_FACTOR = 16
 # Up to here a chat prompt is rendered and cut on the loop when its blocks are hashed, so a
 # history seen before costs no thread hop (gateway/cost/blocks.py). Measured here for one new
 # message of this size: 0.06 ms on the loop, against the tens of milliseconds of encoding
-# that go to a worker; a history of many messages adds the template's render (~6 us each).
+# that go to a worker; a history of many messages adds the template's render (~2-3 us each
+# rendered natively, ~18 with Jinja: gateway/cost/native.py).
 WALK_ON_LOOP_CHARS = 131_072
 
 
