@@ -406,6 +406,44 @@ async def test_ends_a_failover_lost_are_sent_again(redis_url: str) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_client_cancelling_its_own_call_is_the_store_out_not_a_traceback() -> None:
+    # Seen in the cluster failover above, once in a run of the suite: a CancelledError out of
+    # a release's shielded task, which no one had cancelled (redis-py cancels what a call
+    # waits on as a primary is killed), logged by the server as an exception.
+    state = RedisState("redis+cluster://127.0.0.1:1")
+
+    async def cancelled_inside(*args: Any, **kw: Any) -> Any:
+        waited = asyncio.get_running_loop().create_future()
+        waited.cancel()
+        return await waited
+
+    state.client.execute_command = cancelled_inside  # type: ignore[method-assign]
+    with pytest.raises(StateError, match="cancelled the call"):
+        await state.take(Bucket("t:day", 1000, 1.0), 10, "h")
+    assert state.breaker.state == OPEN
+    await state.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_mid_call_is_passed_on() -> None:
+    state = RedisState("redis+cluster://127.0.0.1:1")
+    waiting = asyncio.Event()
+
+    async def hangs(*args: Any, **kw: Any) -> Any:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    state.client.execute_command = hangs  # type: ignore[method-assign]
+    call = asyncio.ensure_future(state.take(Bucket("t:day", 1000, 1.0), 10, "h"))
+    await waiting.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert state.breaker.state != OPEN  # a caller leaving says nothing of Redis
+    await state.close()
+
+
+@pytest.mark.anyio
 async def test_a_client_failing_its_own_way_is_the_store_out_not_a_500() -> None:
     # Seen in the cluster failover above, once in a few runs: uvloop raises RuntimeError when
     # redis-py writes to a node connection another call has just closed.

@@ -232,7 +232,20 @@ class RedisState(StateBackend):
             log.warning("state backend: the Redis client failed (%s: %s); taken as the store "
                         "unreachable", type(exc).__name__, exc)
             raise StateError(f"redis: {type(exc).__name__}: {exc}") from exc
-        except BaseException:  # cancelled: the caller left before any answer
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():  # cancelled: the caller left before any answer
+                self.breaker.abandoned(probe)
+                raise
+            # Nobody cancelled this task: the Redis client cancelled what it waited on itself
+            # (redis-py's cluster client as a primary is killed under load: seen as a
+            # CancelledError out of a release's shielded task, a traceback and no answer to
+            # give). The store is out for this call, as for a refused connection.
+            self.breaker.failed()
+            log.warning("state backend: the Redis client cancelled its own call; taken as the "
+                        "store unreachable")
+            raise StateError("redis: the client cancelled the call") from exc
+        except BaseException:
             self.breaker.abandoned(probe)
             raise
         self.breaker.succeeded()
