@@ -33,7 +33,16 @@ def chat_chars(
     stack: list[Any] = list(messages)
     while stack:
         item = stack.pop()
-        if isinstance(item, str):
+        kind = type(item)
+        # The JSON types by identity first: an ABC's isinstance (Mapping) costs a registry
+        # walk per value, most of this function's time on a long history.
+        if kind is str:
+            total += len(item)
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list:
+            stack.extend(item)
+        elif isinstance(item, str):
             total += len(item)
         elif isinstance(item, Mapping):
             stack.extend(item.values())
