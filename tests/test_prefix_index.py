@@ -94,6 +94,9 @@ def test_a_large_index_is_cut_into_tables_each_aged_on_its_own() -> None:
     assert index.evicted == 6_000 * 64 - 8 * SHARD_BLOCKS
     assert all(index.match(p) == 64 for p in prompts[-100:])
     assert all(index.match(p) == 0 for p in prompts[:100])
+    for p in prompts[-100:]:  # a history stored again, the common turn: nothing goes
+        assert index.store(p) == 0
+    assert len(index) == 8 * SHARD_BLOCKS and index.evicted == 6_000 * 64 - 8 * SHARD_BLOCKS
     index.resize(2 * SHARD_BLOCKS)
     assert len(index._tables) == 2 and len(index) == 2 * SHARD_BLOCKS
     assert all(index.match(p) == 64 for p in prompts[-100:])
