@@ -110,6 +110,10 @@ def _qwen_tools(out: list[str], tools: Sequence[Any]) -> None:
     out.append(_QWEN_TOOLS_TAIL)
 
 
+def _qwen_tool_call(name: str, arguments: str) -> str:
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + arguments + "}\n</tool_call>"
+
+
 def _qwen_tool_message(out: list[str], roles: list[str], i: int, content: str) -> None:
     # Consecutive tool results share one user turn.
     if i == 0 or roles[i - 1] != "tool":
@@ -154,11 +158,7 @@ def qwen25(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapp
                     if type(fn) is not dict:
                         raise _Outside
                 name, arguments = _name_arguments(fn)
-                out.append('\n<tool_call>\n{"name": "')
-                out.append(name)
-                out.append('", "arguments": ')
-                out.append(_tojson(arguments))
-                out.append("}\n</tool_call>")
+                out.append("\n" + _qwen_tool_call(name, _tojson(arguments)))
             out.append("<|im_end|>\n")
         elif role == "tool":
             _qwen_tool_message(out, roles, i, content)
@@ -223,16 +223,11 @@ def qwen3(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mappi
                         if type(fn) is not dict:
                             raise _Outside
                     name, arguments = _name_arguments(fn)
-                    out.append('<tool_call>\n{"name": "')
-                    out.append(name)
-                    out.append('", "arguments": ')
-                    if type(arguments) is str:  # `is string`: written as it is
-                        out.append(arguments)
-                    elif isinstance(arguments, str):
-                        raise _Outside  # a str subclass: Jinja's copy of it is a plain str
-                    else:
-                        out.append(_tojson(arguments))
-                    out.append("}\n</tool_call>")
+                    if type(arguments) is not str:  # `is string`: a string is written as it is
+                        if isinstance(arguments, str):
+                            raise _Outside  # a str subclass: Jinja's copy of it is a plain str
+                        arguments = _tojson(arguments)
+                    out.append(_qwen_tool_call(name, arguments))
             out.append("<|im_end|>\n")
         elif role == "tool":
             _qwen_tool_message(out, roles, i, text)
