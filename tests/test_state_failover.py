@@ -36,6 +36,7 @@ import pytest
 import redis
 from redis.sentinel import Sentinel
 
+from gateway.eager import finish
 from gateway.policy.model import StateSpec
 from gateway.state import Bucket, Lease, Limits, StateError
 from gateway.state.breaker import OPEN
@@ -421,6 +422,26 @@ async def test_a_client_cancelling_its_own_call_is_the_store_out_not_a_traceback
     with pytest.raises(StateError, match="cancelled the call"):
         await state.take(Bucket("t:day", 1000, 1.0), 10, "h")
     assert state.breaker.state == OPEN
+    await state.close()
+
+
+@pytest.mark.anyio
+async def test_a_call_finished_in_another_task_keeps_its_deadline() -> None:
+    # A request's `finally` runs its release eagerly and, once it waits, finishes it in a task
+    # of its own (gateway/eager.py). A deadline bound to the task that started the call
+    # cancelled the request's task instead (a traceback out of the server as a cluster primary
+    # was killed under load, two full runs of the suite in three) and left the call unbounded.
+    state = RedisState("redis+cluster://127.0.0.1:1", spec=StateSpec(timeout_s=0.2))
+
+    async def hangs(*args: Any, **kw: Any) -> Any:
+        await asyncio.Event().wait()
+
+    state.client.execute_command = hangs  # type: ignore[method-assign]
+    started = time.monotonic()
+    with pytest.raises(StateError, match="no answer within"):
+        await asyncio.wait_for(finish(state.take(Bucket("t:day", 1000, 1.0), 10, "h")), 5)
+    assert time.monotonic() - started < 2
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     await state.close()
 
 

@@ -161,6 +161,27 @@ def make_client(target: StateURL, timeout_s: float
     return client, list(sentinel.sentinels)
 
 
+async def _within(call: Awaitable[T], timeout_s: float) -> T:
+    """`call` under a deadline that holds whichever task awaits it.
+
+    `asyncio.timeout` cancels the task that entered it, and a release a request's `finally`
+    runs eagerly is continued, once it waits, in a task of its own (gateway/eager.py
+    `finish`): the deadline then cancelled the request's task instead, which had finished
+    (a CancelledError out of the server, logged with a traceback, as a cluster primary was
+    killed under load), and no longer bounded the call. The call runs as a task of its own
+    and is waited on with a timer, which binds to no task; a task against a round trip."""
+    work = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait((work,), timeout=timeout_s)
+    except BaseException:  # the caller cancelled: the call goes with it
+        work.cancel()
+        raise
+    if not done:
+        work.cancel()
+        raise TimeoutError
+    return work.result()
+
+
 class RedisState(StateBackend):
     name = "redis"
 
@@ -207,8 +228,7 @@ class RedisState(StateBackend):
             raise NotSent(f"redis: unavailable for {self.breaker.outage_s:.1f} s (circuit open; "
                           "the fail mode applies)")
         try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await call()
+            result = await _within(call(), self.timeout_s)
         except (TimeoutError, RedisTimeoutError) as exc:  # TimeoutError first: it is an OSError
             self._timed_out(op)
             self.breaker.failed()
@@ -237,10 +257,8 @@ class RedisState(StateBackend):
             if task is None or task.cancelling():  # cancelled: the caller left before any answer
                 self.breaker.abandoned(probe)
                 raise
-            # Nobody cancelled this task: the Redis client cancelled what it waited on itself
-            # (redis-py's cluster client as a primary is killed under load: seen as a
-            # CancelledError out of a release's shielded task, a traceback and no answer to
-            # give). The store is out for this call, as for a refused connection.
+            # Nobody cancelled this task: the Redis client cancelled what it waited on itself.
+            # The store is out for this call, as for a refused connection.
             self.breaker.failed()
             log.warning("state backend: the Redis client cancelled its own call; taken as the "
                         "store unreachable")
