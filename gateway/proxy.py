@@ -31,6 +31,7 @@ from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
 from gateway.routing import Router
 from gateway.serving.heap import forget
+from gateway.silence import NOT_WAITING, SilenceWatch
 
 log = logging.getLogger("gateway.proxy")
 
@@ -107,9 +108,12 @@ class Forwarder:
         self.session = session
         self.router = router
         self.backends = router.backends
+        # sock_read bounds the wait for an answer's headers and non-streamed bodies; a
+        # stream's body is watched by one timer of its own (gateway/silence.py).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                              sock_connect=connect_timeout,
                                              sock_read=read_timeout)
+        self.read_timeout_s = read_timeout
         self.loop = asyncio.get_running_loop()
 
     async def forward(self, up: Upstream, ex: Relay, send: Send,
@@ -282,9 +286,12 @@ class Forwarder:
         event = _EVENTS.get(up.endpoint, b"data:")
         want_id = up.endpoint == "responses"
         usage_frame = b""
+        watch = SilenceWatch(self.loop, resp, self.read_timeout_s)
         try:
             while True:
+                watch.since = loop_time()
                 chunk = await content.readany()
+                watch.since = NOT_WAITING
                 if not chunk:
                     break
                 if ex.first_byte is None and (first_token is None or first_token in chunk):
@@ -319,6 +326,7 @@ class Forwarder:
             self.backends.record_success(backend)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            watch.close()
             ex.finished = loop_time()
             if usage_frame:
                 _parse_usage(ex, usage_frame)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from http.client import HTTPConnection
 
 import openai
@@ -209,3 +210,49 @@ def test_stream_broken_mid_way_ends_with_sse_error(start_sim: StartSim,
         assert metric(s, "gateway_requests_total", status="502") == 1
         assert metric(s, "gateway_inflight_requests") == 0
         assert metric(s, "gateway_kv_blocks_reserved") == 0
+
+
+def test_engine_silent_mid_stream_past_read_timeout_ends_it(start_sim: StartSim,
+                                                            start_gateway: StartGateway) -> None:
+    # The stream's body is watched by one timer of its own, not aiohttp's per-read one
+    # (gateway/silence.py): it must still end a stream whose engine went quiet.
+    with start_sim("--stall-rate", "1.0", "--stall-after-tokens", "2", "--stall-s", "30") as sim, \
+            start_gateway(policy_yaml([sim.url],
+                                      extra="upstream:\n  read_timeout_s: 0.5\n")) as gw:
+        c = openai_client(gw.url)
+        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                           max_tokens=20, stream=True,
+                                           extra_body={"ignore_eos": True})
+        got = 0
+        started = time.monotonic()
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                got += 1
+        waited = time.monotonic() - started
+        assert got >= 1
+        assert "broke off the stream (timed out)" in err.value.message
+        assert waited < 10, waited  # the engine's 30 s silence was not waited out
+        s = settled(gw.url, "gateway_requests_total", 1, status="502")
+        assert metric(s, "gateway_upstream_errors_total", kind="timeout") == 1
+        assert metric(s, "gateway_inflight_requests") == 0
+        assert metric(s, "gateway_kv_blocks_reserved") == 0
+
+
+def test_engine_pause_shorter_than_read_timeout_is_waited_for(start_sim: StartSim,
+                                                              start_gateway: StartGateway) -> None:
+    with start_sim("--stall-rate", "1.0", "--stall-after-tokens", "2", "--stall-s", "0.6") as sim, \
+            start_gateway(policy_yaml([sim.url],
+                                      extra="upstream:\n  read_timeout_s: 1.5\n")) as gw:
+        c = openai_client(gw.url)
+        # Two streams back to back on the gateway's pooled connection: the first one's watch
+        # must not outlive it, and aiohttp's timer must be back for the second one's headers.
+        for _ in range(2):
+            stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                               max_tokens=6, stream=True,
+                                               extra_body={"ignore_eos": True})
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream
+                           if chunk.choices)
+            assert text
+        s = quiet(gw.url)
+        assert metric(s, "gateway_requests_total", status="200") == 2
+        assert metric(s, "gateway_upstream_errors_total", kind="timeout") == 0
