@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -54,6 +54,7 @@ from gateway.protocol import (
 )
 from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
+from gateway.records import record
 from gateway.routing import Route
 from gateway.runtime import Runtime
 
@@ -89,7 +90,7 @@ class Client(Protocol):
         """Stop listening for a disconnect: from here on only the release is left to do."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Inbound:
     """What arrived, before anything is read: the request line and the headers we read."""
 

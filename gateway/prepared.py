@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.admission.pool import Ask
@@ -13,19 +12,20 @@ from gateway.policy.model import TenantSpec
 from gateway.profiles import ModelProfile, get_model
 from gateway.prompts import Prompt
 from gateway.protocol import EmbeddingsRequest, Endpoint, ParsedRequest
+from gateway.records import record
 from gateway.routing import Route
 
 _FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Caller:
     tenant: TenantSpec
     priority: int
     deadline_s: float | None  # the caller's own limit on queueing
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Work:
     """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
 
@@ -49,7 +49,7 @@ class Work:
         return (self.cost.prompt_tokens + self.cost.max_output_tokens) * self.sequences
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Prepared:
     """A request read, counted, routed and estimated: everything admission is asked about."""
 

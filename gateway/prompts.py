@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from gateway.cost import TokenCount, TokenCounter, openai_messages
@@ -26,9 +26,10 @@ from gateway.protocol import (
     responses_messages,
     template_kwargs,
 )
+from gateway.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Prompt:
     tokens: int  # of the longest prompt
     prompts: int

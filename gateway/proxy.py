@@ -29,6 +29,7 @@ from starlette.types import Send
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
+from gateway.records import record
 from gateway.routing import Router
 from gateway.serving.heap import forget
 from gateway.silence import NOT_WAITING, SilenceWatch
@@ -55,7 +56,7 @@ class ClientGone(Exception):
     """The caller disconnected; nothing more can be sent."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Upstream:
     """What to send an engine, and what to add to its answer; the pipeline's to build."""
 

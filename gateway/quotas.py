@@ -13,15 +13,15 @@ exactly what is still reserved (none, once the replicas are quiet).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 from gateway.errors import QuotaExceeded, RateWindow, StateUnavailable
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy, TenantSpec
+from gateway.records import record
 from gateway.state import Bucket, BucketResult, StateBackend, StateError
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class QuotaTicket:
     """Tokens taken from a tenant's buckets, to reconcile when the request ends."""
 

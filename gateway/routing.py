@@ -40,6 +40,7 @@ from typing import Protocol, TypeVar
 from gateway.backends import Backend, Backends
 from gateway.errors import InvalidRequest, ModelNotFound, NoBackendAvailable
 from gateway.policy import ModelSpec, Policy
+from gateway.records import record
 
 
 class _Loaded(Protocol):
@@ -131,7 +132,7 @@ def prefix_costs(candidates: Sequence[S], rule: PrefixRule, prompt_tokens: int) 
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Route:
     model: ModelSpec
     pool: str

@@ -29,16 +29,16 @@ The checks, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
+from gateway.records import record
 from gateway.routing import PrefixRule, least_outstanding, most_headroom_first, prefix_order
 
 Mode = Literal["enforce", "static", "shadow", "disabled"]
 Action = Literal["admit", "queue", "reject"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BackendView:
     name: str
     available: bool
@@ -62,7 +62,7 @@ class BackendView:
         return self.limit_blocks - self.reserved_blocks
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PoolView:
     name: str
     mode: Mode
@@ -81,13 +81,13 @@ class PoolView:
     prefix: PrefixRule | None = None  # the pool routes by prefix (None: by headroom)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Placement:
     backend: str | None
     reason: str  # "fits", or why no backend took it
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decision:
     action: Action
     reason: str  # what refused it (or "fits"); for a rejection, x-gateway-reason
@@ -96,7 +96,7 @@ class Decision:
     enforced: Decision | None = None  # shadow mode: what enforcing would have done
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AskView:
     """The parts of a request the decision reads."""
 

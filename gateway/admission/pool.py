@@ -12,12 +12,13 @@ from gateway.admission.queue import PRIORITIES, FairQueue
 from gateway.admission.thresholds import Thresholds
 from gateway.backends import Backend
 from gateway.policy.model import PoolSpec
+from gateway.records import record
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, Watched
 from gateway.state import Lease, StateBackend
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Ask:
     """What admission needs to know of a request."""
 

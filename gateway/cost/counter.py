@@ -30,7 +30,6 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
@@ -39,6 +38,7 @@ from gateway.cost.memory import trim
 from gateway.cost.threads import below_the_loop
 from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.prefix.hashing import block_hashes
+from gateway.records import record
 
 T = TypeVar("T")
 
@@ -64,7 +64,7 @@ RANK_INLINE_FACTOR = 16
 WALK_ON_LOOP_CHARS = 131_072
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TokenCount:
     """A prompt's measure: tokens (exact or estimated) and characters (for learning the ratio);
     with `block_size` asked, the chained hashes of its full blocks of token ids (exact

@@ -12,10 +12,11 @@ blocks. Time comes from the store (Redis `TIME`), not from each replica's clock.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+
+from gateway.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Lease:
     pool: str
     backend: str
@@ -25,14 +26,14 @@ class Lease:
     tenant: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Limits:
     max_blocks: int  # on the backend
     max_tokens: int | None  # in flight on the whole pool; None: no limit
     tenant_max_blocks: int | None = None  # the lease's tenant, across the pool's backends
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Bucket:
     """A token bucket: `capacity` tokens, refilled at `refill_per_s`."""
 
@@ -41,20 +42,20 @@ class Bucket:
     refill_per_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BucketResult:
     ok: bool
     remaining: int  # tokens left after the call (may be negative after a reconciliation)
     reset_s: float  # until the bucket is full again
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PoolUsage:
     blocks: dict[str, int]  # reserved KV blocks per backend
     tokens: int  # reserved tokens on the whole pool
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReserveResult:
     ok: bool
     backend_blocks: int  # the backend's reserved blocks after the call

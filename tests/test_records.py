@@ -1,0 +1,44 @@
+"""`record` (gateway/records.py) behaves as the frozen slots dataclass it is to the type
+checker, but for refusing assignment at run time: same equality, hash, repr and replace."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gateway.records import record
+
+
+@record
+class Rec:
+    a: int
+    b: str = "x"
+    c: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frozen:
+    a: int
+    b: str = "x"
+    c: tuple[int, ...] = ()
+
+
+def test_a_record_equals_hashes_and_prints_as_a_frozen_dataclass() -> None:
+    r, f = Rec(1, "y", (2,)), Frozen(1, "y", (2,))
+    assert r == Rec(1, "y", (2,)) and r != Rec(2)
+    assert hash(r) == hash(f)  # both hash the tuple of their fields
+    assert {r: 1}[Rec(1, "y", (2,))] == 1
+    assert repr(r) == repr(f).replace("Frozen", "Rec")
+    assert dataclasses.replace(r, a=3) == Rec(3, "y", (2,))
+    assert dataclasses.astuple(r) == dataclasses.astuple(f)
+    assert not hasattr(r, "__dict__")  # slots: no per-instance dict
+
+
+def test_the_request_path_records_are_records() -> None:
+    from gateway.admission.decision import Decision
+    from gateway.pipeline import Inbound
+    from gateway.proxy import Upstream
+    from gateway.state.base import Lease
+
+    for cls in (Decision, Inbound, Upstream, Lease):
+        params = cls.__dataclass_params__  # type: ignore[attr-defined]
+        assert not params.frozen and params.unsafe_hash and "__slots__" in vars(cls)
