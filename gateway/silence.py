@@ -2,12 +2,12 @@
 
 aiohttp's `sock_read` timeout re-arms a timer on every read of the connection: under uvloop a
 TimerHandle and a libuv timer made, and the previous pair closed, for each streamed chunk
-(1.2-1.7 us of the loop here, measured in-process; 15,000 chunks a second at 300 streams). A
-stream that is flowing never comes near its timeout (600 s by default), so the watch keeps one
-timer set for the whole interval and moves it only when it fires: if the relay has not been
-waiting on the engine that long, the timer is set again for when it would have been. aiohttp's
-own timer still bounds the wait for the answer's headers (a long prefill is silent there);
-the watch turns it off for the body.
+(3.9-5.2 us of CPU a chunk at 300 streams, benchmarks/read_timer.py: its heap holds a timer
+per stream; 15,000 chunks a second there). A stream that is flowing never comes near its
+timeout (600 s by default), so the watch keeps one timer set for the whole interval and moves
+it only when it fires: if the relay has not been waiting on the engine that long, the timer is
+set again for when it would have been. aiohttp's own timer still bounds the wait for the
+answer's headers (a long prefill is silent there); the watch turns it off for the body.
 
 The relay marks when it starts waiting for the engine's next read (`since`) and that it stopped
 (`since = NOT_WAITING`), so time spent writing to a slow caller (the ASGI server's drain) is not
