@@ -2,7 +2,8 @@
 
 The gateway bounds an engine's silence (`upstream.read_timeout_s`). aiohttp's `sock_read` does it
 by re-arming a timer on every read of the connection; `gateway/silence.py` keeps one timer per
-stream and the relay's two stores a read. This runs the real relay's read loop over the stub
+stream and the relay's two stores a read. This runs the relay's read loop, as
+`Forwarder._stream` writes it (a copy: the gateway's has no seam to time alone), over the stub
 engine (benchmarks/stub_engine.py, its own process and CPU) in three modes, rounds interleaved,
 and prints the client process's CPU per chunk (user + system, `time.process_time`), medians
 over rounds:

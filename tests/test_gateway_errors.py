@@ -191,20 +191,26 @@ def test_upstream_5xx_becomes_502_naming_the_backend(start_sim: StartSim,
         assert metric(s, "gateway_kv_blocks_reserved") == 0
 
 
+def stream_until_error(gw: Server, max_tokens: int) -> tuple[int, str]:
+    """A chat stream read through the SDK until it raises: the chunks that came first and the
+    error's message (a test fails here if the stream ends cleanly)."""
+    stream = openai_client(gw.url).chat.completions.create(
+        model="test-model", messages=MESSAGES, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True})
+    got = 0
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            got += 1
+    return got, err.value.message
+
+
 def test_stream_broken_mid_way_ends_with_sse_error(start_sim: StartSim,
                                                    start_gateway: StartGateway) -> None:
     with start_sim("--drop-rate", "1.0", "--drop-after-tokens", "3") as sim, \
             start_gateway(policy_yaml([sim.url])) as gw:
-        c = openai_client(gw.url)
-        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
-                                           max_tokens=50, stream=True,
-                                           extra_body={"ignore_eos": True})
-        got = 0
-        with pytest.raises(openai.APIError) as err:
-            for _ in stream:
-                got += 1
+        got, message = stream_until_error(gw, max_tokens=50)
         assert got >= 1
-        assert "broke off the stream" in err.value.message
+        assert "broke off the stream" in message
         s = settled(gw.url, "gateway_requests_total", 1, status="502")
         assert metric(s, "gateway_upstream_errors_total", kind="disconnect") == 1
         assert metric(s, "gateway_requests_total", status="502") == 1
@@ -219,18 +225,11 @@ def test_engine_silent_mid_stream_past_read_timeout_ends_it(start_sim: StartSim,
     with start_sim("--stall-rate", "1.0", "--stall-after-tokens", "2", "--stall-s", "30") as sim, \
             start_gateway(policy_yaml([sim.url],
                                       extra="upstream:\n  read_timeout_s: 0.5\n")) as gw:
-        c = openai_client(gw.url)
-        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
-                                           max_tokens=20, stream=True,
-                                           extra_body={"ignore_eos": True})
-        got = 0
         started = time.monotonic()
-        with pytest.raises(openai.APIError) as err:
-            for _ in stream:
-                got += 1
+        got, message = stream_until_error(gw, max_tokens=20)
         waited = time.monotonic() - started
         assert got >= 1
-        assert "broke off the stream (timed out)" in err.value.message
+        assert "broke off the stream (timed out)" in message
         assert waited < 10, waited  # the engine's 30 s silence was not waited out
         s = settled(gw.url, "gateway_requests_total", 1, status="502")
         assert metric(s, "gateway_upstream_errors_total", kind="timeout") == 1
