@@ -20,7 +20,10 @@ def tok() -> HFTokenizer:
 
 
 def _conversation(rng: random.Random, turns: int) -> list[dict[str, str]]:
-    words = ["alpha", "beta", "gamma", "delta", "é", "数据", "\n", "  ", "x" * 40, "42"]
+    # Special tokens inside content too: a step's text may then be followed by either of two
+    # special tokens, and the walk must tell the two apart.
+    words = ["alpha", "beta", "gamma", "delta", "é", "数据", "\n", "  ", "x" * 40, "42",
+             "<|im_end|>", "<|endoftext|>"]
     return [{"role": ("user", "assistant")[k % 2],
              "content": " ".join(rng.choice(words) for _ in range(rng.randint(0, 60)))}
             for k in range(turns)]

@@ -4,10 +4,10 @@ A conversation re-sends its whole history every turn. The piece cache (gateway/c
 spares re-encoding it, but hashing its ids again for prefix routing costs ~20 ns a token: 0.35 ms
 of a 16K-token history every turn, for blocks whose hashes were known the turn before. The
 rendered prompt is cut at the template's special tokens into pieces; a node here is the state
-after one piece of a piece sequence, keyed by its parent's key and the piece: the tokens so far,
-the hashes of the blocks that piece completed, and the ids left in the block it leaves open. A
-turn whose earlier pieces were seen walks their nodes (one str hash and one dict lookup a piece)
-and encodes and hashes only what is new. The result is exactly `block_hashes` of the whole
+after one step of a piece sequence (a text piece and the special token after it), keyed by its
+parent's key and the step: the tokens so far, the hashes of the blocks that step completed, and
+the ids left in the block it leaves open. A turn whose earlier pieces were seen walks their nodes
+(one str hash and one dict lookup a step) and encodes and hashes only what is new. The result is exactly `block_hashes` of the whole
 prompt's ids (tests/test_block_chains.py holds it to that).
 
 `Walk` splits the work where it is cheapest: the walk over known pieces is Python and short, so
@@ -69,18 +69,20 @@ class BlockChains:
              piece_ids: PieceIds) -> Walk:
         """Follow the known nodes from the prompt's start; the rest is left to `Walk.finish`.
 
-        `pieces` alternate text and special-token content, text first (the splitter's output);
-        `piece_ids` gives the ids of text pieces the trie does not know.
+        `pieces` alternate text and special-token content, text first and last (the splitter's
+        output); `piece_ids` gives the ids of text pieces the trie does not know. A step is one
+        text piece and the special token after it (None after the last): half the steps of one
+        a piece, and a walk stops at the same text piece either way, since a turn's new text
+        is what differs, not the template's token after it.
         """
         key = hash(("blocks", block_size))
         node = _ROOT
         done: list[array[int]] = []
-        i = 0
+        at = 0
         tables, mask = self._tables, self._mask
         with self._lock:
-            while i < len(pieces):
-                piece = pieces[i]
-                step = hash((key, piece, len(piece)))
+            for text, special in zip(pieces[::2], [*pieces[1::2], None], strict=True):
+                step = hash((key, text, len(text), special))
                 table = tables[step & mask]
                 found = table.get(step)
                 if found is None:
@@ -88,8 +90,8 @@ class BlockChains:
                 table.move_to_end(step)
                 done.append(found.hashes)
                 key, node = step, found
-                i += 1
-        return Walk(self, pieces, specials, block_size, piece_ids, i, key, node, done)
+                at += 2
+        return Walk(self, pieces, specials, block_size, piece_ids, at, key, node, done)
 
     def _put(self, key: int, node: _Node) -> None:
         t = key & self._mask
@@ -140,7 +142,7 @@ class Walk:
         self._key = key
         self._node = node
         self._done = done
-        self.left_chars = sum(len(pieces[j]) for j in range(at, len(pieces)) if j % 2 == 0)
+        self.left_chars = sum(map(len, pieces[at::2]))
 
     @property
     def known_tokens(self) -> int:
@@ -157,36 +159,35 @@ class Walk:
     def bound(self, max_ids: Callable[[str], int]) -> int:
         """The prompt's tokens at most: those walked, one a special piece left, and each text
         piece left at most `max_ids` of it."""
-        pieces = self._pieces
-        return self._node.tokens + sum(max_ids(pieces[j]) if j % 2 == 0 else 1
-                                       for j in range(self._at, len(pieces)))
+        left = self._pieces[self._at:]
+        return self._node.tokens + len(left) // 2 + sum(map(max_ids, left[::2]))
 
     def finish(self) -> tuple[int, array[int]]:
-        """The prompt's token count and every full block's hash, learning the new pieces."""
-        pieces, at, bs = self._pieces, self._at, self._block_size
-        texts = [pieces[j] for j in range(at, len(pieces)) if j % 2 == 0]
-        encoded = iter(self._piece_ids(texts) if texts else ())
+        """The prompt's token count and every full block's hash, learning the new steps."""
+        pieces, at, bs, specials = self._pieces, self._at, self._block_size, self._specials
         key, node = self._key, self._node
-        tokens, last = node.tokens, node.last
-        buf = array("I", node.tail)
         out = array("q")
         for part in self._done:
             out.extend(part)
-        for j in range(at, len(pieces)):
-            piece = pieces[j]
-            if j % 2:
-                buf.append(self._specials[piece])
+        texts = pieces[at::2]
+        if not texts:  # every step was walked
+            return node.tokens, out
+        encoded = self._piece_ids(texts)
+        # The last text piece has no special token after it.
+        after: list[str | None] = [*pieces[at + 1::2], None]
+        tokens, last = node.tokens, node.last
+        buf = array("I", node.tail)
+        for text, ids, special in zip(texts, encoded, after, strict=True):
+            buf.extend(ids)
+            tokens += len(ids)
+            if special is not None:
+                buf.append(specials[special])
                 tokens += 1
-            else:
-                ids = next(encoded)
-                buf.extend(ids)
-                tokens += len(ids)
             made = array("q", block_hashes(buf, bs, last))
             if made:
                 last = made[-1]
-                buf = buf[len(made) * bs:]
+                del buf[:len(made) * bs]
             out.extend(made)
-            key = hash((key, piece, len(piece)))
+            key = hash((key, text, len(text), special))
             self._chains._put(key, _Node(tokens, made, array("I", buf), last))
         return tokens, out
-
