@@ -65,8 +65,12 @@ def make_session(policy: Policy) -> aiohttp.ClientSession:
         keepalive_timeout=up.keepalive_timeout_s,
         enable_cleanup_closed=True,
     )
+    # No cookie jar: the session is every caller's, so a cookie an engine (or the load
+    # balancer in front of it: a stickiness cookie) set on one caller's answer would go out
+    # with every later request of every tenant, all pinned where the first one went.
     return aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                 skip_auto_headers=("User-Agent",))
+                                 skip_auto_headers=("User-Agent",),
+                                 cookie_jar=aiohttp.DummyCookieJar())
 
 
 def load_counters(policy: Policy) -> dict[str, TokenCounter]:

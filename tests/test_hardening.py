@@ -76,6 +76,7 @@ class StubEngine(StandIn):
         self.mode = "ok"  # "ok" | "error_500" | "abort"
         self.bodies: list[bytes] = []
         self.probes: list[str | None] = []
+        self.cookies: list[str | None] = []  # the Cookie header of each chat request
 
     def _refused(self, req: web.Request) -> bool:
         return self.key is not None and req.headers.get("authorization") != f"Bearer {self.key}"
@@ -88,6 +89,7 @@ class StubEngine(StandIn):
         if self._refused(req):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         self.bodies.append(await req.read())
+        self.cookies.append(req.headers.get("cookie"))
         if self.mode == "error_500":
             return web.json_response({"error": {"message": "Traceback: EngineCore at "
                                                 "10.1.2.3:8000 died (CUDA error)"}}, status=500)
@@ -95,7 +97,10 @@ class StubEngine(StandIn):
             assert req.transport is not None
             req.transport.abort()
             return web.Response()
-        return web.json_response(CHAT_OK)
+        reply = web.json_response(CHAT_OK)
+        # What a load balancer in front of engines sets (AWS ALB's stickiness cookie).
+        reply.set_cookie("AWSALB", f"sticky-{len(self.bodies)}")
+        return reply
 
 
 @pytest.fixture
@@ -331,6 +336,23 @@ def test_a_key_sent_twice_reaches_the_engine_as_the_gateway_read_it(
         # The gateway counted and admitted max_tokens 700 (the last one, as it parses JSON);
         # an engine that keeps the first would have run something else.
         assert sent.count(b'"max_tokens"') == 1 and json.loads(sent)["max_tokens"] == 700
+
+
+def test_a_cookie_an_engine_sets_is_not_sent_on_other_callers_requests(
+        stub: StubEngine, start_gateway: StartGateway) -> None:
+    env = {"HARD_ENGINE_KEY": "engine-secret"}
+    # By name: a client's cookie jar keeps no cookie of an IP address's.
+    named = stub.url.replace("127.0.0.1", "localhost")
+    policy = tenant_policy([named], auth_extra="  upstream_api_key_env: HARD_ENGINE_KEY")
+    with start_gateway(policy, env=env) as gw:
+        assert chat(gw, KEY_A)[0] == 200
+        status, headers, _ = chat(gw, KEY_B)
+        assert status == 200
+        # Before: the gateway's one client session kept team-a's cookie and sent it with
+        # team-b's request (and every later one), pinning all traffic behind a sticky load
+        # balancer to one engine. Nor does an engine's cookie reach the caller.
+        assert stub.cookies == [None, None]
+        assert "set-cookie" not in {k.lower() for k in headers}
 
 
 # --- 1 (beyond the estimate's test): template arguments the gateway does not set ---------------
