@@ -6,9 +6,10 @@ of a 16K-token history every turn, for blocks whose hashes were known the turn b
 rendered prompt is cut at the template's special tokens into pieces; a node here is the state
 after one step of a piece sequence (a text piece and the special token after it), keyed by its
 parent's key and the step: the tokens so far, the hashes of the blocks that step completed, and
-the ids left in the block it leaves open. A turn whose earlier pieces were seen walks their nodes
-(one str hash and one dict lookup a step) and encodes and hashes only what is new. The result is exactly `block_hashes` of the whole
-prompt's ids (tests/test_block_chains.py holds it to that).
+the ids left in the block it leaves open. A turn whose earlier pieces were seen walks their
+nodes (one str hash and one dict lookup a step) and encodes and hashes only what is new. The
+result is exactly `block_hashes` of the whole prompt's ids (tests/test_block_chains.py holds it
+to that).
 
 `Walk` splits the work where it is cheapest: the walk over known pieces is Python and short, so
 the counter runs it on the event loop; what is left (encoding new pieces, hashing their blocks)
