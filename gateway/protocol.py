@@ -208,17 +208,15 @@ def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
 
 
 def check_shape(data: object, max_depth: int, max_items: int) -> None:
-    """Refuse absurd JSON before anything walks it recursively (pydantic, templates)."""
-    stack: list[tuple[object, int]] = [(data, 1)]
+    """Refuse absurd JSON before anything walks it recursively (pydantic, templates).
+
+    Containers are told by exact type: orjson makes only dicts and lists, and a type identity
+    test costs a fraction of `isinstance` against `dict | list` (a union built at every call).
+    """
+    stack: list[tuple[Any, int]] = [(data, 1)] if type(data) in _CONTAINERS else []
     items = 0
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
         if depth > max_depth:
             raise InvalidRequest(f"The request body's JSON is nested deeper than {max_depth} "
                                  "levels.", code="invalid_json")
@@ -226,8 +224,12 @@ def check_shape(data: object, max_depth: int, max_items: int) -> None:
         if items > max_items:
             raise InvalidRequest(f"The request body's JSON has more than {max_items} values.",
                                  code="invalid_json")
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, dict | list))
+        for child in value.values() if type(value) is dict else value:
+            if type(child) in _CONTAINERS:
+                stack.append((child, depth + 1))
+
+
+_CONTAINERS = frozenset({dict, list})
 
 
 def _schema_error(exc: ValidationError) -> InvalidRequest:
