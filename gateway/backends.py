@@ -143,9 +143,14 @@ class Backends:
         # answers 401 to a bare probe and would look down forever.
         headers = {"authorization": b.auth_header} if b.auth_header else None
         try:
-            async with session.get(b.probe_url, timeout=timeout, headers=headers) as resp:
+            # A redirect is not followed, as requests' are not (gateway/proxy.py): the backend
+            # is down until its url is where the engine answers.
+            async with session.get(b.probe_url, timeout=timeout, headers=headers,
+                                   allow_redirects=False) as resp:
                 await resp.read()
                 ok, detail = resp.status == 200, f"HTTP {resp.status}"
+                if 300 <= resp.status < 400:
+                    detail += " (a redirect, not followed)"
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, detail = False, type(exc).__name__
             forget(exc)  # a down backend's every probe would leave a cycle for the sweep

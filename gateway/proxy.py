@@ -170,8 +170,16 @@ class Forwarder:
             headers["authorization"] = backend.auth_header
         try:
             async with self.session.request(method, endpoint_url, data=body, headers=headers,
-                                            timeout=self.timeout) as resp:
+                                            timeout=self.timeout, allow_redirects=False) as resp:
                 answer = await resp.read()
+                if 300 <= resp.status < 400:  # not followed, as in `_open`
+                    log.warning("engine %s/%s answered HTTP %d to %s: redirects are not "
+                                "followed", backend.pool, backend.name, resp.status,
+                                resp.headers.get("location", "nowhere"))
+                    return 502, error_body(
+                        f"The engine `{backend.name}` answered a redirect (HTTP "
+                        f"{resp.status}), which is not followed.", "server_error", None,
+                        "upstream_error"), "application/json"
                 if resp.status >= 400:  # one error shape, whoever refused
                     return resp.status, _engine_error(resp.status, answer, backend.name), \
                         "application/json"
@@ -192,8 +200,8 @@ class Forwarder:
         if backend.auth_header:
             headers["authorization"] = backend.auth_header
         try:
-            return await self.session.post(url, data=up.body, headers=headers,
-                                           timeout=self.timeout), ""
+            resp = await self.session.post(url, data=up.body, headers=headers,
+                                           timeout=self.timeout, allow_redirects=False)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
             # engine did not start on this request, so another backend may take it.
@@ -213,6 +221,17 @@ class Forwarder:
             forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` broke off before answering "
                                 f"({public}).", backend=backend.name) from None
+        if 300 <= resp.status < 400:
+            # Not followed: the gateway talks to the engines its policy names and no one else
+            # (a 301 would also turn the POST into a GET). The engine did not run the request,
+            # so another backend may take it; the URL to fix goes to the log only.
+            log.warning("engine %s/%s answered HTTP %d to %s: redirects are not followed; "
+                        "set the backend's url to where the engine answers", backend.pool,
+                        backend.name, resp.status, resp.headers.get("location", "nowhere"))
+            self.backends.record_failure(backend, "redirect", f"HTTP {resp.status} redirect")
+            resp.release()
+            return None, f"it answered a redirect (HTTP {resp.status}), which is not followed"
+        return resp, ""
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
                      resp: aiohttp.ClientResponse, send: Send) -> None:

@@ -38,10 +38,14 @@ class StandIn:
     async def health(self, req: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    def more_routes(self) -> list[web.RouteDef]:
+        """Routes a subclass answers beyond chat and health."""
+        return []
+
     async def start(self) -> web.AppRunner:
         app = web.Application()
         app.add_routes([web.post("/v1/chat/completions", self.chat),
-                        web.get("/health", self.health)])
+                        web.get("/health", self.health), *self.more_routes()])
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()

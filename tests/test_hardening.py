@@ -73,7 +73,7 @@ class StubEngine(StandIn):
     def __init__(self, key: str | None = None) -> None:
         super().__init__()
         self.key = key
-        self.mode = "ok"  # "ok" | "error_500" | "abort"
+        self.mode = "ok"  # "ok" | "error_500" | "abort" | "redirect"
         self.bodies: list[bytes] = []
         self.probes: list[str | None] = []
         self.cookies: list[str | None] = []  # the Cookie header of each chat request
@@ -83,7 +83,17 @@ class StubEngine(StandIn):
 
     async def health(self, req: web.Request) -> web.Response:
         self.probes.append(req.headers.get("authorization"))
+        if self.mode == "redirect":
+            return _redirect("/health")
         return web.Response(status=401 if self._refused(req) else 200, text="ok")
+
+    def more_routes(self) -> list[web.RouteDef]:
+        return [web.post("/tokenize", self.tokenize)]
+
+    async def tokenize(self, req: web.Request) -> web.Response:
+        if self.mode == "redirect":
+            return _redirect(req.path)
+        return web.json_response({"count": 1, "max_model_len": 4096, "tokens": [1]})
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
         if self._refused(req):
@@ -93,6 +103,8 @@ class StubEngine(StandIn):
         if self.mode == "error_500":
             return web.json_response({"error": {"message": "Traceback: EngineCore at "
                                                 "10.1.2.3:8000 died (CUDA error)"}}, status=500)
+        if self.mode == "redirect":
+            return _redirect(req.path)
         if self.mode == "abort":
             assert req.transport is not None
             req.transport.abort()
@@ -101,6 +113,11 @@ class StubEngine(StandIn):
         # What a load balancer in front of engines sets (AWS ALB's stickiness cookie).
         reply.set_cookie("AWSALB", f"sticky-{len(self.bodies)}")
         return reply
+
+
+def _redirect(path: str) -> web.Response:
+    """What an engine behind a load balancer that moves plain HTTP to HTTPS answers."""
+    return web.Response(status=308, headers={"location": f"https://10.9.8.7:8443{path}"})
 
 
 @pytest.fixture
@@ -353,6 +370,34 @@ def test_a_cookie_an_engine_sets_is_not_sent_on_other_callers_requests(
         # balancer to one engine. Nor does an engine's cookie reach the caller.
         assert stub.cookies == [None, None]
         assert "set-cookie" not in {k.lower() for k in headers}
+
+
+def test_an_engine_that_redirects_is_not_followed_and_the_caller_is_told(
+        stub: StubEngine, start_gateway: StartGateway) -> None:
+    env = {"HARD_ENGINE_KEY": "engine-secret"}
+    policy = tenant_policy([stub.url], auth_extra="  upstream_api_key_env: HARD_ENGINE_KEY")
+    with start_gateway(policy, env=env) as gw:
+        stub.mode = "redirect"
+        status, _, err = chat(gw, KEY_A)
+        # Before: followed, so the request and its key went to an address the policy does not
+        # name (a 301 or 302 as a GET, without its body).
+        assert status == 502, err
+        message = err["error"]["message"]  # type: ignore[index]
+        assert "redirect (HTTP 308)" in message and "10.9.8.7" not in message
+        assert len(stub.bodies) == 1
+        s = scrape(gw.url)
+        assert metric(s, "gateway_upstream_errors_total", kind="redirect") == 1
+        # The calls passed through whole (vLLM's /tokenize) alike.
+        reply = http("POST", gw.url + "/tokenize", {"model": "test-model", "prompt": "hi"},
+                     bearer(KEY_A))
+        assert reply.status == 502 and b"redirect (HTTP 308)" in reply.body, reply
+        assert b"10.9.8.7" not in reply.body
+    with start_gateway(policy, env=env) as gw:  # probed while it redirects: down
+        deadline = time.monotonic() + 10
+        while (reply := http("GET", gw.url + "/readyz")).status != 503 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reply.status == 503 and b"10.9.8.7" not in reply.body, reply
 
 
 # --- 1 (beyond the estimate's test): template arguments the gateway does not set ---------------

@@ -55,7 +55,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "disconnect", "protocol")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "redirect", "disconnect", "protocol")
 
 # New name -> the old one, still exported for one release with the same samples and the HELP
 # "Deprecated: use <new>." (docs/metrics.md, "Renamed metrics"). Remove after the next release.

@@ -304,7 +304,9 @@ def parse_engine_metrics(text: str, engine: str, at: float,
 
 async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        # A redirect is not followed, as requests' are not (gateway/proxy.py).
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                               allow_redirects=False) as r:
             if r.status != 200:
                 return None
             return await r.text()
