@@ -379,8 +379,8 @@ def test_an_engine_that_redirects_is_not_followed_and_the_caller_is_told(
     with start_gateway(policy, env=env) as gw:
         stub.mode = "redirect"
         status, _, err = chat(gw, KEY_A)
-        # Before: followed, so the request and its key went to an address the policy does not
-        # name (a 301 or 302 as a GET, without its body).
+        # Before: followed, so the request (its prompt; aiohttp drops the key across origins)
+        # went to an address the policy does not name, and a 301 or 302 as a GET, bodiless.
         assert status == 502, err
         message = err["error"]["message"]  # type: ignore[index]
         assert "redirect (HTTP 308)" in message and "10.9.8.7" not in message
