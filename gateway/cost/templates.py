@@ -400,6 +400,10 @@ REQUEST_TEMPLATE_FIELDS: Mapping[str, Any] = {
 }
 
 
+_TEMPLATE_KEYS = frozenset({"chat_template_kwargs", *REQUEST_TEMPLATE_FIELDS})
+_DEFAULT_TEMPLATE_KWARGS = {k: v for k, v in REQUEST_TEMPLATE_FIELDS.items() if v is not None}
+
+
 def request_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     """The template arguments vLLM builds from a chat request body (fields already validated).
 
@@ -408,6 +412,8 @@ def request_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     `add_generation_prompt` never beats the field's default. A `reasoning_effort` also sets
     `enable_thinking` (false for "none") unless the caller's kwargs set it.
     """
+    if _TEMPLATE_KEYS.isdisjoint(body):  # most requests set none of them: vLLM's defaults
+        return dict(_DEFAULT_TEMPLATE_KWARGS)
     user = body.get("chat_template_kwargs")
     kwargs: dict[str, Any] = dict(user) if isinstance(user, Mapping) else {}
     fields = {name: body.get(name, default) for name, default in REQUEST_TEMPLATE_FIELDS.items()}
