@@ -110,6 +110,9 @@ class HFTokenizer:
         self.name = name
         self._rust = rust
         self._special_tokens = dict(special_tokens)
+        # What a native render sees when the caller sets no template argument (most
+        # requests): built once, read only.
+        self._no_kwargs_variables = template_variables(self._special_tokens, {})
         self._templates = chat_template
         # Compile each template once up front: compiling costs milliseconds, rendering microseconds.
         self._compiled = (
@@ -165,9 +168,9 @@ class HFTokenizer:
                                 f"{continued_field(continue_final_message)!r}")
         native = self._native.get(source)
         if native is not None and messages and not continue_final_message:
-            text = native.render(messages, tools,
-                                 template_variables(self._special_tokens, template_kwargs),
-                                 add_generation_prompt)
+            variables = template_variables(self._special_tokens, template_kwargs) \
+                if template_kwargs else self._no_kwargs_variables
+            text = native.render(messages, tools, variables, add_generation_prompt)
             if text is not None:
                 if native.due():
                     # Copies: the request goes on while the canary's thread renders.
