@@ -2,11 +2,14 @@
 
 End to end its cost is below this machine's noise (proxy CPU 7% / 6% and 32% / 34% of a core
 with and without it, docs/benchmarks-proxy.md), so this times what it adds on the real
-objects: a `Pipeline`'s `_lap` over `GatewayMetrics.request_stage` as a served request calls it
-(seven laps and the queue's observation, each a loop-time read and a histogram observe), against
-`_no_lap`, the function it is when `server.stage_metrics` is off. Rounds interleave on and off;
-medians over rounds. The share is against the gateway's CPU per request, which the caller gives
-from a proxy_overhead run (`--request-cpu-us`; part A prints proxy CPU and requests).
+objects: a `Pipeline`'s `_lap` as a served request calls it (six laps, the queue's observation
+and the answer headers', each a loop-time read and an observation), against `_no_lap`, the
+function it is when `server.stage_metrics` is off. Two ways of observing, side by side: as
+shipped (`GatewayMetrics.stage_observer`: plain counts, flushed into the histogram every 64
+requests here, every 0.1 s in the gateway; gateway/observe/batched.py) and prometheus_client's
+own `observe` on each child, as before. Rounds interleave; medians over rounds. The share is
+against the gateway's CPU per request, which the caller gives from a proxy_overhead run
+(`--request-cpu-us`; part A prints proxy CPU and requests).
 
     python benchmarks/stage_cost.py --request-cpu-us 2900
 """
@@ -18,6 +21,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,15 +30,16 @@ from gateway import pipeline as pl
 from gateway.observe.metrics import GatewayMetrics
 
 LAPS = ("read", "parse", "count", "route", "quota", "admission")  # plus queue and headers
+FLUSH_EVERY = 64  # requests between flushes of the batched counts (~0.1 s at 650 a second)
 
 
-def timed_pipeline() -> pl.Pipeline:
+def timed_pipeline(metrics: GatewayMetrics, batched: bool) -> pl.Pipeline:
     """A Pipeline with only what `_lap` reads: its loop clock and the bound observers."""
     p = object.__new__(pl.Pipeline)
-    metrics = GatewayMetrics()
     p.loop_time = asyncio.new_event_loop().time  # type: ignore[method-assign]
     p._timed = True
-    p._stage = {name: metrics.request_stage.labels(name).observe for name in pl.STAGES}
+    p._stage = {name: metrics.stage_observer(name) if batched
+                else metrics.request_stage.labels(name).observe for name in pl.STAGES}
     return p
 
 
@@ -49,10 +54,13 @@ def request(p: pl.Pipeline, lap: object) -> None:
         p._stage["upstream_headers"](p.loop_time() - t)
 
 
-def per_request_us(p: pl.Pipeline, lap: object, n: int) -> float:
+def per_request_us(p: pl.Pipeline, lap: object, n: int,
+                   flush: Callable[[], None] | None = None) -> float:
     started = time.perf_counter()
-    for _ in range(n):
+    for i in range(n):
         request(p, lap)
+        if flush is not None and not i % FLUSH_EVERY:
+            flush()
     return (time.perf_counter() - started) / n * 1e6
 
 
@@ -63,21 +71,26 @@ def main() -> int:
     ap.add_argument("--request-cpu-us", type=float, default=0.0,
                     help="the gateway's CPU per request, from a proxy_overhead run")
     args = ap.parse_args()
-    p = timed_pipeline()
-    on: list[float] = []
-    off: list[float] = []
+    metrics = GatewayMetrics()
+    shipped, plain = timed_pipeline(metrics, True), timed_pipeline(metrics, False)
+    runs: dict[str, list[float]] = {"batched": [], "observe": [], "off": []}
     for r in range(args.rounds):
-        pair = [("on", p._lap), ("off", pl._no_lap)]
-        for name, lap in pair if r % 2 == 0 else reversed(pair):
-            (on if name == "on" else off).append(per_request_us(p, lap, args.n))
-    on_us, off_us = statistics.median(on), statistics.median(off)
-    print(f"stage bookkeeping per request: on {on_us:.2f} us, off {off_us:.2f} us, "
-          f"the histogram's own cost {on_us - off_us:.2f} us "
-          f"({args.rounds} rounds of {args.n:,}; on ranged {min(on):.2f}-{max(on):.2f})")
-    if args.request_cpu_us:
-        share = (on_us - off_us) / args.request_cpu_us
-        print(f"against {args.request_cpu_us:,.0f} us of gateway CPU per request: "
-              f"{share:.2%}")
+        order = [("batched", shipped, shipped._lap, metrics.flush_batched),
+                 ("observe", plain, plain._lap, None), ("off", plain, pl._no_lap, None)]
+        for name, p, lap, flush in order[r % 3:] + order[:r % 3]:
+            runs[name].append(per_request_us(p, lap, args.n, flush))
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    for name in ("batched", "observe"):
+        print(f"stage bookkeeping per request, {name}: {med[name]:.2f} us, off "
+              f"{med['off']:.2f} us, the histogram's own cost {med[name] - med['off']:.2f} us "
+              f"({args.rounds} rounds of {args.n:,}; ranged {min(runs[name]):.2f}-"
+              f"{max(runs[name]):.2f})")
+        if args.request_cpu_us:
+            share = (med[name] - med["off"]) / args.request_cpu_us
+            print(f"  against {args.request_cpu_us:,.0f} us of gateway CPU per request: "
+                  f"{share:.2%}")
+    print(f"batched / observe, the histogram's own cost: "
+          f"{(med['batched'] - med['off']) / (med['observe'] - med['off']):.2f}x")
     return 0
 
 

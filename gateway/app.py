@@ -329,6 +329,7 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
         await asyncio.sleep(LAG_INTERVAL_S)
         observe(max(0.0, loop.time() - start - LAG_INTERVAL_S))
         metrics.flush_gc_pauses()  # noted by the GC callback, which must not observe itself
+        metrics.flush_batched()  # the request path's stage counts (gateway/observe/batched.py)
 
 
 _BUSY = error_body("The gateway is handling as many requests as it is configured to; "

@@ -109,10 +109,10 @@ class Pipeline:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.loop_time = asyncio.get_running_loop().time
-        # Stage timers bound once: a request observes each with no label lookup.
-        stage = rt.metrics.request_stage
+        # Stage timers bound once: a request observes each with no label lookup, into plain
+        # counts the metrics add up in batches (gateway/observe/batched.py).
         self._timed = rt.policy.server.stage_metrics
-        self._stage = {name: stage.labels(name).observe for name in STAGES}
+        self._stage = {name: rt.metrics.stage_observer(name) for name in STAGES}
         # The block size each model's prompts are hashed at for prefix routing (None: not).
         pools = rt.policy.pools
         self._hash_block = {m.name: hash_block_size([pools[p] for p in rt.policy.pools_for(m.name)])
