@@ -173,13 +173,9 @@ class Forwarder:
                                             timeout=self.timeout, allow_redirects=False) as resp:
                 answer = await resp.read()
                 if 300 <= resp.status < 400:  # not followed, as in `_open`
-                    log.warning("engine %s/%s answered HTTP %d to %s: redirects are not "
-                                "followed", backend.pool, backend.name, resp.status,
-                                resp.headers.get("location", "nowhere"))
                     return 502, error_body(
-                        f"The engine `{backend.name}` answered a redirect (HTTP "
-                        f"{resp.status}), which is not followed.", "server_error", None,
-                        "upstream_error"), "application/json"
+                        f"The engine `{backend.name}` {_redirected(backend, resp)}.",
+                        "server_error", None, "upstream_error"), "application/json"
                 if resp.status >= 400:  # one error shape, whoever refused
                     return resp.status, _engine_error(resp.status, answer, backend.name), \
                         "application/json"
@@ -222,15 +218,10 @@ class Forwarder:
             raise UpstreamError(f"The engine `{backend.name}` broke off before answering "
                                 f"({public}).", backend=backend.name) from None
         if 300 <= resp.status < 400:
-            # Not followed: the gateway talks to the engines its policy names and no one else
-            # (a 301 would also turn the POST into a GET). The engine did not run the request,
-            # so another backend may take it; the URL to fix goes to the log only.
-            log.warning("engine %s/%s answered HTTP %d to %s: redirects are not followed; "
-                        "set the backend's url to where the engine answers", backend.pool,
-                        backend.name, resp.status, resp.headers.get("location", "nowhere"))
+            # The engine did not run the request, so another backend may take it.
             self.backends.record_failure(backend, "redirect", f"HTTP {resp.status} redirect")
             resp.release()
-            return None, f"it answered a redirect (HTTP {resp.status}), which is not followed"
+            return None, f"it {_redirected(backend, resp)}"
         return resp, ""
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
@@ -477,6 +468,16 @@ def _public(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET:
         return "the engine reset the connection"
     return "connection error"
+
+
+def _redirected(backend: Backend, resp: aiohttp.ClientResponse) -> str:
+    """An engine's 3xx, not followed: the gateway talks to the engines its policy names and no
+    one else (a 301 would also turn the POST into a GET). Its target, the URL to fix, goes to
+    the log; the words returned, for the caller, name none."""
+    log.warning("engine %s/%s answered HTTP %d to %s: redirects are not followed; set the "
+                "backend's url to where the engine answers", backend.pool, backend.name,
+                resp.status, resp.headers.get("location", "nowhere"))
+    return f"answered a redirect (HTTP {resp.status}), which is not followed"
 
 
 def _describe(exc: BaseException) -> str:

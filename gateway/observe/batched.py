@@ -44,13 +44,14 @@ class BatchedObserve:
         self._sum += amount
 
     def flush(self) -> None:
+        if not any(self._counts):  # nothing observed since the last flush (an idle tick)
+            return
         counts, self._counts = self._counts, [0] * len(self._bounds)
         amount, self._sum = self._sum, 0.0
         for bucket, n in zip(self._buckets, counts, strict=True):
             if n:
                 bucket.inc(n)
-        if any(counts):
-            self._total.inc(amount)
+        self._total.inc(amount)
 
 
 def batched(child: Any, batches: list[BatchedObserve]) -> Observe:
