@@ -372,8 +372,8 @@ class Pipeline:
         """The body the engine gets: the pool's model name, and a usage frame asked for."""
         data, parsed = p.data, p.parsed
         strip_usage = False
-        if p.endpoint in ("chat", "completions") and parsed.stream and not (
-                parsed.stream_options and parsed.stream_options.include_usage):
+        if p.endpoint in ("chat", "completions") and parsed.stream \
+                and not parsed.include_usage:
             # Ask the engine for its usage frame so tokens are counted as the engine counts
             # them; the caller, who did not ask, never sees it.
             data["stream_options"] = {**(data.get("stream_options") or {}),

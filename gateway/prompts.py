@@ -19,7 +19,7 @@ from gateway.cost import TokenCount, TokenCounter, openai_messages
 from gateway.cost.images import VisionRule, image_size, split_images
 from gateway.policy import ModelSpec
 from gateway.protocol import (
-    ChatCompletionRequest,
+    ChatRequest,
     EmbeddingsRequest,
     ParsedRequest,
     ResponsesRequest,
@@ -62,7 +62,7 @@ async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, 
 async def _count(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
                  parsed: ParsedRequest, who: str, prior_tokens: int,
                  block_size: int | None, behind_chars: int) -> Prompt:
-    if isinstance(parsed, ChatCompletionRequest):
+    if isinstance(parsed, ChatRequest):
         return await _chat(counter, model, data["messages"], data.get("tools"),
                            template_kwargs(data), who, exact=True, block_size=block_size,
                            behind_chars=behind_chars)
