@@ -233,7 +233,7 @@ class Admission:
         if view.prefix is not None and not view.prefix.act and d.backend is not None:
             self.prefix.shadow(view, ask, d.backend)
         while d.action == "admit":
-            ticket, reason = await self._act(ps, ask, d)
+            ticket, reason = await self._act(ps, ask, d, view)
             if ticket is not None:
                 return ticket
             # The store refused what this replica's view allowed (another replica took the
@@ -241,14 +241,16 @@ class Admission:
             # now, and that backend is out for this request; decide again.
             assert d.backend is not None and reason is not None
             refused[d.backend] = reason
-            d = decide(self.view(ask, refused), _ask_view(ask))
+            view = self.view(ask, refused)
+            d = decide(view, _ask_view(ask))
         if d.action == "queue":
             return await self._wait(ps, ask, d.reason)
         if d.reason != "no_backend":
             self._count(ps.name, "rejected", d.reason)
         raise self._refusal(ps, ask, d)
 
-    async def _act(self, ps: PoolState, ask: Ask, d: Decision) -> tuple[Ticket | None, str | None]:
+    async def _act(self, ps: PoolState, ask: Ask, d: Decision, view: PoolView
+                   ) -> tuple[Ticket | None, str | None]:
         assert d.backend is not None
         backend = self._backend(ps, d.backend)
         if d.reason == "admission_disabled":
@@ -259,14 +261,14 @@ class Admission:
         if d.enforced is not None:  # shadow: count what enforcing would do, then admit
             e = d.enforced
             self.metrics.shadow_decisions.labels(ps.name, _WORD[e.action], e.reason).inc()
-            ticket, _ = await self._reserve(ps, ask, backend, force=d.reason == "shadow")
+            ticket, _ = await self._reserve(ps, ask, backend, view, force=d.reason == "shadow")
             if ticket is None:  # lost the room to another replica: admitted all the same
                 ticket, _ = await self._reserve(ps, ask, backend, force=True)
             assert ticket is not None
             if d.reason == "shadow":
                 ticket.reason = "shadow"
             return ticket, None
-        ticket, refused = await self._reserve(ps, ask, backend)
+        ticket, refused = await self._reserve(ps, ask, backend, view)
         if ticket is not None:
             self._count(ps.name, "admitted", d.reason)
         return ticket, refused
@@ -281,7 +283,8 @@ class Admission:
             placed = place(view, _ask_view(ask))
             if placed.backend is None:
                 return None
-            ticket, reason = await self._reserve(ps, ask, self._backend(ps, placed.backend))
+            ticket, reason = await self._reserve(ps, ask, self._backend(ps, placed.backend),
+                                                 view)
             if ticket is not None:
                 return ticket
             refused[placed.backend] = reason or "kv_blocks"
@@ -290,18 +293,22 @@ class Admission:
         return next(b for b in self.backends.pools[ps.name] if b.name == name)
 
     async def _reserve(self, ps: PoolState, ask: Ask, backend: Backend,
-                       force: bool = False) -> tuple[Ticket | None, str | None]:
-        """Reserve in the store with the limits the view decided on; (ticket, refusal)."""
-        max_blocks = self.capacity.max_blocks(ps, backend.name)
-        rule = self.rules[ps.name]
-        cached, shared = self.prefix.at(ps, ask, backend.name) if rule else (0, 0)
+                       view: PoolView | None = None, force: bool = False
+                       ) -> tuple[Ticket | None, str | None]:
+        """Reserve in the store with the limits `view` decided on (taken now if None; the
+        caller's, when nothing was awaited since it was taken); (ticket, refusal)."""
+        if view is None:
+            view = self.view(ask)
+        on = _backend_view(view, backend.name)
+        rule = view.prefix
+        cached = on.cached_tokens
         # The blocks of its prompt that requests in flight there hold are shared, not new.
         lease = Lease(ps.name, backend.name, f"{self.replica_id}-{next(self._ids)}",
-                      reservation_blocks(ask.blocks, max_blocks, ps.slot_blocks.get(backend.name),
-                                         shared),
+                      reservation_blocks(ask.blocks, on.limit_blocks, on.slot_blocks,
+                                         on.shared_blocks),
                       ask.tokens, ask.tenant)
         limits = Limits(UNKNOWN_CAPACITY_BLOCKS, None, None) if force else \
-            Limits(max_blocks, self._token_limit(ps), self._tenant_max(ps, ask))
+            Limits(on.limit_blocks, view.token_limit, view.tenant_max)
         store = self.state
         try:
             result = await store.reserve(lease, limits, ps.spec.admission.lease_ttl_s)
@@ -488,6 +495,13 @@ class Admission:
     def _publish_queue(self, ps: PoolState) -> None:
         for name, n in ps.queue.depth_by_priority().items():
             self.metrics.child(self.metrics.queue_depth, ps.name, name).set(n)
+
+
+def _backend_view(view: PoolView, name: str) -> BackendView:
+    for b in view.backends:
+        if b.name == name:
+            return b
+    raise KeyError(name)
 
 
 def _ask_view(ask: Ask) -> AskView:
