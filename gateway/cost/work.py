@@ -1,6 +1,6 @@
 """The per-request cost model: what one request will hold and do on an engine replica.
 
-One frozen `RequestCost` per request, built by `estimate` from its prompt tokens, its
+One immutable `RequestCost` per request, built by `estimate` from its prompt tokens, its
 `max_tokens` and the model's profile. Admission reads the KV blocks; routing and the simulator
 read the work. Three KV figures, because a scheduler can plan for three different futures:
   kv_blocks_prompt    what prefill allocates at once
@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from gateway.cost.errors import RequestCostError
 from gateway.profiles import ModelProfile, blocks_for
+from gateway.records import record
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default KV block size in tokens
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestCost:
-    """What one request costs a replica: tokens, KV cache and work."""
+    """What one request costs a replica: tokens, KV cache and work. A `record`: one is built
+    for every request, and a frozen dataclass's 16 guarded field sets cost ~2 us of it."""
 
     model: str
     prompt_tokens: int
