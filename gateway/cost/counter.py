@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
-from gateway.cost.estimator import chat_chars
+from gateway.cost.estimator import CharRatioEstimator, chat_chars
 from gateway.cost.memory import trim
 from gateway.cost.threads import below_the_loop
 from gateway.cost.tokenizer import HFTokenizer, Tokenizer
@@ -163,6 +163,8 @@ class TokenCounter:
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
+        if isinstance(tok, CharRatioEstimator):  # the estimate is of the characters just counted
+            return TokenCount(tok.estimate_chars(chars), chars, False)
         if block_size and isinstance(tok, HFTokenizer):
             if tok.walkable and chars <= WALK_ON_LOOP_CHARS:
                 # Render and follow the pieces seen before on the loop (a 16K-token history

@@ -97,7 +97,8 @@ class CharRatioEstimator:
     def tokens_per_char(self) -> float:
         return self._tokens / self._chars
 
-    def _estimate(self, chars: int) -> int:
+    def estimate_chars(self, chars: int) -> int:
+        """The tokens `chars` characters are estimated to be."""
         return max(1, math.ceil(chars * self.tokens_per_char)) if chars > 0 else 0
 
     def count_chat(
@@ -106,10 +107,10 @@ class CharRatioEstimator:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> int:
-        return self._estimate(chat_chars(messages, tools))
+        return self.estimate_chars(chat_chars(messages, tools))
 
     def count_text(self, text: str) -> int:
-        return self._estimate(len(text))
+        return self.estimate_chars(len(text))
 
     def count_ids(self, ids: Sequence[int]) -> int:
         return len(ids)
