@@ -34,7 +34,7 @@ import orjson
 from gateway.admission.pool import Ticket
 from gateway.admission.prefixes import hash_block_size
 from gateway.affinity import Held
-from gateway.cost import PromptTooLong, RequestCostError, estimate
+from gateway.cost import CostModel, PromptTooLong, RequestCostError
 from gateway.eager import finish
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
@@ -114,6 +114,8 @@ class Pipeline:
         self._timed = rt.policy.server.stage_metrics
         self._stage = {name: rt.metrics.stage_observer(name) for name in STAGES}
         # The block size each model's prompts are hashed at for prefix routing (None: not).
+        # Each model's cost on each pool it is routed to, worked out on first use.
+        self._costs: dict[tuple[str, str], CostModel] = {}
         pools = rt.policy.pools
         self._hash_block = {m.name: hash_block_size([pools[p] for p in rt.policy.pools_for(m.name)])
                             for m in rt.policy.models}
@@ -164,18 +166,24 @@ class Pipeline:
 
     def estimate(self, model: ModelSpec, route: Route, prompt: Prompt,
                  parsed: ParsedRequest) -> Work:
-        rt = self.rt
-        pool = rt.policy.pools[route.pool]
+        costs = self._costs.get((model.name, route.pool))
+        if costs is None:
+            costs = self._costs[model.name, route.pool] = self._cost_model(model, route.pool)
         try:
-            cost = estimate(
-                prompt.tokens, parsed.output_limit, profile_of(model),
-                block_size=pool.block_size, tp=pool.tp,
-                default_max_tokens=pool.max_tokens_default or rt.policy.defaults.max_tokens,
-                expected_output=rt.output_lengths[model.name], kv_dtype=model.kv_cache_dtype,
-                max_model_len=pool.max_model_len, allow_prefill_only=is_embedding(parsed))
+            cost = costs.cost(prompt.tokens, parsed.output_limit,
+                              allow_prefill_only=is_embedding(parsed))
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param) from None
         return Work(cost, prompt.prompts * (parsed.n or 1))
+
+    def _cost_model(self, model: ModelSpec, pool_name: str) -> CostModel:
+        rt = self.rt
+        pool = rt.policy.pools[pool_name]
+        return CostModel(profile_of(model), block_size=pool.block_size, tp=pool.tp,
+                         default_max_tokens=pool.max_tokens_default
+                         or rt.policy.defaults.max_tokens,
+                         expected_output=rt.output_lengths[model.name],
+                         kv_dtype=model.kv_cache_dtype, max_model_len=pool.max_model_len)
 
     # identify -> read -> parse -> count -> route -> estimate ----------------------------------
 

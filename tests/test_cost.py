@@ -79,3 +79,32 @@ def test_cost_is_a_record_and_serialisable() -> None:
     assert dataclasses.replace(cost, prompt_tokens=11).prompt_tokens == 11
     as_dict = cost.to_dict()
     assert as_dict["kv_blocks_max"] == 1 and as_dict["kv_bytes_max_per_gpu"] == 16 * 327_680
+
+
+def test_a_cost_model_gives_the_profiles_figures_exactly() -> None:
+    """The request path's CostModel works the profile's figures out once; every figure of
+    its cost is the one ModelProfile's own formulas give, to the last bit."""
+    from gateway.cost import CostModel
+    from gateway.profiles import MODELS, blocks_for
+
+    learned = OutputLengthModel(300, min_samples=1)
+    learned.observe(40)
+    for profile in MODELS.values():
+        for tp, block, dtype in ((1, 16, "bf16"), (8, 32, "fp8"), (16, 16, "bf16")):
+            for expected in (None, 7, learned):
+                model = CostModel(profile, block, tp, 512, expected, dtype, 8192)
+                for prompt in (0, 1, 15, 16, 1000, 8000):
+                    for max_tokens in (None, 1, 64, 9000):
+                        cost = model.cost(prompt, max_tokens)
+                        assert cost == estimate(prompt, max_tokens, profile, block, tp, 512,
+                                                expected, dtype, 8192)
+                        out = cost.expected_output_tokens
+                        assert cost.prefill_flops == (
+                            profile.prefill_flops(prompt) if prompt else 0.0)
+                        assert cost.decode_flops == (
+                            profile.prefill_flops(out, context=prompt) if out else 0.0)
+                        assert cost.kv_bytes_per_token == profile.kv_bytes_per_token(dtype)
+                        assert cost.kv_bytes_per_token_per_gpu == \
+                            profile.kv_bytes_per_token_per_gpu(tp, dtype)
+                        assert cost.kv_blocks_max == blocks_for(
+                            prompt + cost.max_output_tokens, block)
