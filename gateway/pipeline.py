@@ -113,9 +113,9 @@ class Pipeline:
         # counts the metrics add up in batches (gateway/observe/batched.py).
         self._timed = rt.policy.server.stage_metrics
         self._stage = {name: rt.metrics.stage_observer(name) for name in STAGES}
-        # The block size each model's prompts are hashed at for prefix routing (None: not).
         # Each model's cost on each pool it is routed to, worked out on first use.
         self._costs: dict[tuple[str, str], CostModel] = {}
+        # The block size each model's prompts are hashed at for prefix routing (None: not).
         pools = rt.policy.pools
         self._hash_block = {m.name: hash_block_size([pools[p] for p in rt.policy.pools_for(m.name)])
                             for m in rt.policy.models}
