@@ -121,14 +121,13 @@ class OutputLengthModel:
 
 
 class CostModel:
-    """What requests cost one model on one pool's replicas, its per-token figures worked out
-    once: `cost` is then arithmetic on the request's own numbers. The request path keeps one per
-    model and pool (1.4 us a request hot, ~55 us run cold, against 5.0 and ~87 through
-    `estimate`, which looks the profile's figures up again on every call)."""
+    """What requests cost one model on one pool's replicas, its per-token KV figures worked
+    out once: `cost` is then arithmetic on the request's own numbers and the profile's FLOPs.
+    The request path keeps one per model and pool (in the pipeline probe the estimate fell
+    58-61 -> 24-27 us run cold against `estimate`, which works them out on every call)."""
 
-    __slots__ = ("_attn", "_dense", "block_size", "context", "default_max_tokens",
-                 "expected_output", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu", "name",
-                 "tp")
+    __slots__ = ("block_size", "context", "default_max_tokens", "expected_output",
+                 "kv_bytes_per_token", "kv_bytes_per_token_per_gpu", "name", "profile", "tp")
 
     def __init__(self, model_profile: ModelProfile, block_size: int = DEFAULT_BLOCK_SIZE,
                  tp: int = 1, default_max_tokens: int = 1024,
@@ -136,7 +135,7 @@ class CostModel:
                  kv_dtype: str = "bf16", max_model_len: int | None = None) -> None:
         if block_size <= 0 or tp <= 0:
             raise ValueError(f"block_size and tp: must be positive, got {block_size} and {tp}")
-        p = model_profile
+        p = self.profile = model_profile
         self.name = p.name
         self.block_size = block_size
         self.tp = tp
@@ -145,13 +144,6 @@ class CostModel:
         self.context = max_model_len or p.max_position_embeddings
         self.kv_bytes_per_token = p.kv_bytes_per_token(kv_dtype)
         self.kv_bytes_per_token_per_gpu = p.kv_bytes_per_token_per_gpu(tp, kv_dtype)
-        # ModelProfile.prefill_flops's two factors, multiplied in its order (same floats).
-        self._dense = 2.0 * p.params
-        self._attn = 4.0 * p.num_layers * p.num_attention_heads * p.head_dim
-
-    def _flops(self, tokens: int, context: int) -> float:
-        """ModelProfile.prefill_flops: `tokens` new tokens attending to `context` earlier ones."""
-        return self._dense * tokens + self._attn * (tokens * context + tokens * (tokens + 1) / 2)
 
     def cost(self, prompt_tokens: int, max_tokens: int | None,
              allow_prefill_only: bool = False) -> RequestCost:
@@ -181,7 +173,7 @@ class CostModel:
         else:
             expected = wanted
         expected = max(0, min(expected, max_output))
-        kv_token, bs = self.kv_bytes_per_token, self.block_size
+        kv_token, bs, flops = self.kv_bytes_per_token, self.block_size, self.profile.prefill_flops
         # Decode step i (0-based) computes one token attending to prompt + i earlier ones:
         # the same sum as a prefill of `expected` tokens on top of a `prompt_tokens` context.
         return RequestCost(
@@ -197,9 +189,9 @@ class CostModel:
             kv_blocks_reserved=blocks_for(prompt_tokens + expected, bs),
             kv_blocks_max=blocks_for(prompt_tokens + max_output, bs),
             prefill_tokens=prompt_tokens,
-            prefill_flops=self._flops(prompt_tokens, 0) if prompt_tokens else 0.0,
+            prefill_flops=flops(prompt_tokens) if prompt_tokens else 0.0,
             decode_tokens=expected,
-            decode_flops=self._flops(expected, prompt_tokens) if expected else 0.0,
+            decode_flops=flops(expected, context=prompt_tokens) if expected else 0.0,
             decode_kv_read_bytes=kv_token * (expected * prompt_tokens
                                              + expected * (expected - 1) / 2),
         )
@@ -225,7 +217,5 @@ def estimate(
     than the maximum. Callers that estimate many requests of one model on one pool keep a
     `CostModel` instead.
     """
-    if prompt_tokens < 0:
-        raise ValueError(f"prompt_tokens: must not be negative, got {prompt_tokens}")
     return CostModel(model_profile, block_size, tp, default_max_tokens, expected_output,
                      kv_dtype, max_model_len).cost(prompt_tokens, max_tokens, allow_prefill_only)
