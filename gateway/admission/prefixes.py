@@ -133,20 +133,23 @@ class PrefixPlacement:
         # Learning and holding the blocks is two dict operations a block (~0.2 ms for a
         # 16K-token prompt hot, ~0.8 ms on a CPU whose caches went cold while the loop was
         # idle), so it runs once this request's bytes are on their way upstream, not before.
-        # Two hops of the loop: aiohttp (before Python 3.12's eager tasks) writes the body in a
-        # task it makes when the request is sent, which runs in the iteration after that, and
-        # one hop ran there first: the engine got a 16K-token request 0.8 ms late, and its
-        # first token with it. Nothing is lost by waiting: the engine has cached none of it
-        # yet, and a request decided in between sees these blocks as not shared and reserves
-        # them again (the safe side).
+        # Two hops of the loop: the gateway's own client (gateway/http1.py) writes the request
+        # at once, but aiohttp's (https engines; before Python 3.12's eager tasks) writes the
+        # body in a task it makes when the request is sent, which runs in the iteration after
+        # that, and one hop ran there first: the engine got a 16K-token request 0.8 ms late,
+        # and its first token with it. Nothing is lost by waiting: the engine has cached none
+        # of it yet, and a request decided in between sees these blocks as not shared and
+        # reserves them again (the safe side). The engine's answer may come first (a refusal
+        # at once): if it got the backend ejected, and its index forgotten, meanwhile, these
+        # blocks are not learnt there either.
         ticket.held = _PENDING
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._hold, ps.name, name, index, ask.hashes,
-                       self.indexes.learns_from_traffic(ps.name, name), ticket)
+                       self.indexes.learns_from_traffic(ps.name, name), ticket, index.forgets)
 
     def _hold(self, pool: str, name: str, index: PrefixIndex, hashes: Sequence[int],
-              learn: bool, ticket: Ticket) -> None:
-        if learn:
+              learn: bool, ticket: Ticket, forgets: int) -> None:
+        if learn and index.forgets == forgets:
             index.store(hashes)
             self.metrics.child(self.metrics.index_blocks, pool, name).set(len(index))
         if ticket.held is _PENDING:  # not released already (a request over before this ran)

@@ -70,6 +70,9 @@ class PrefixIndex:
         # gateway hash -> requests in flight holding it (kept apart from the cache: a block in
         # use is never evicted, and a forget leaves the requests' own bookkeeping alone)
         self._held: dict[int, int] = {}
+        # Times forgotten (`clear`): what a request placed before a forget would teach it (its
+        # blocks, learnt once it is on its way, gateway/admission/prefixes.py) is not learnt.
+        self.forgets = 0
         self.clamped = 0  # blocks dropped because more were stored than the capacity
         self.evicted = 0  # blocks aged out (either mode)
 
@@ -179,6 +182,7 @@ class PrefixIndex:
         return self._by_engine.get(engine_hash)
 
     def clear(self) -> None:
+        self.forgets += 1
         for table in self._tables:
             table.clear()
         self._by_engine.clear()
