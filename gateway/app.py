@@ -39,11 +39,12 @@ from gateway.api import admin, ops, passthrough
 from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
+from gateway.http1 import EnginePool
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.prefix.precise import PreciseEvents
 from gateway.protocol import error_body, error_type, retry_headers
-from gateway.runtime import Runtime, build_runtime, load_counters, make_session
+from gateway.runtime import Runtime, build_runtime, load_counters, make_engine_pool, make_session
 from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
 
@@ -75,6 +76,7 @@ class GatewayApp:
         self.reloads = {"ok": 0, "invalid": 0}
         self.last_reload_error: str | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._engines: EnginePool | None = None
         self._state: StateBackend | None = None
         self._counters: dict[str, tuple[str, TokenCounter]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -150,6 +152,7 @@ class GatewayApp:
         counters = await asyncio.to_thread(load_counters, self.policy)
         self._counters = {m.name: (m.tokenizer, counters[m.name]) for m in self.policy.models}
         self._session = make_session(self.policy)
+        self._engines = make_engine_pool(self.policy)
         self._state = create_state(self.redis_url, self.state_prefix, self.policy, self.metrics)
         # Connected while the engines are probed: uvicorn accepts no request before this
         # returns, so the first reservations find the store ready.
@@ -184,6 +187,8 @@ class GatewayApp:
             self.metrics.remove_gc_callback()
             heap.uninstall()
             await self._session.close()
+            if self._engines is not None:
+                await self._engines.close()
             await self._state.close()
             for _, counter in self._counters.values():
                 counter.close()
@@ -193,7 +198,7 @@ class GatewayApp:
         assert self._session is not None and self._state is not None
         rt = build_runtime(policy, self.metrics, self._session, self._state, counters,
                            time.time(), old.output_lengths if old else None,
-                           old.prefix if old else None)
+                           old.prefix if old else None, self._engines)
         await rt.backends.probe_all(self._session)
         # One scrape before serving: capacities come from the engines, not the ledger, from
         # the first request on.

@@ -1,13 +1,17 @@
-"""Forwarding to engines with aiohttp, and streaming the answer back as it arrives.
+"""Forwarding to engines, and streaming the answer back as it arrives.
 
 The streaming path is the hot path: each upstream read is handed to the ASGI server as it is,
 with no re-serialising; the gateway only notes when the first bytes came (TTFT) and, from the
 one frame that carries it, the final `usage`. Upstream errors are mapped to our own at this
 boundary, mid-stream too (as an SSE error frame, since the status line has already gone).
 
-Why aiohttp and not httpx: measured here with a minimal pass-through proxy at 100 streams,
-httpx adds more TTFT and collapses above ~0.8 core (its pool hands one idle connection to
-several waiters, encode/httpcore#822), while aiohttp relays >20x the chunks/s per core.
+Requests to plain http:// engines go through the gateway's own HTTP/1.1 client
+(gateway/http1.py: aiohttp's request set-up cost more than all the gateway's stages), the rest
+through aiohttp; both answer with the same calls and raise aiohttp's exception types, so one
+relay and one failure mapping serve both. Why aiohttp and not httpx: measured here with a
+minimal pass-through proxy at 100 streams, httpx adds more TTFT and collapses above ~0.8 core
+(its pool hands one idle connection to several waiters, encode/httpcore#822), while aiohttp
+relays >20x the chunks/s per core.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from starlette.types import Send
 
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
+from gateway.http1 import EnginePool, Response, Target, target_of
 from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
 from gateway.records import record
 from gateway.routing import Router
@@ -50,6 +55,10 @@ _USAGE_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # content-length of a body we re-frame) is the gateway's own business.
 _PASS_HEADERS = frozenset({"content-type", "retry-after"})
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+# An engine's answer: from the gateway's own client (plain http://) or from aiohttp's.
+Answer = aiohttp.ClientResponse | Response
 
 
 class ClientGone(Exception):
@@ -105,8 +114,12 @@ class Relay:
 
 class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, router: Router,
-                 connect_timeout: float, read_timeout: float) -> None:
+                 connect_timeout: float, read_timeout: float,
+                 engines: EnginePool | None = None) -> None:
         self.session = session
+        # The gateway's own client for plain http:// engines (gateway/http1.py); None: aiohttp.
+        self.engines = engines
+        self._targets: dict[tuple[str, str | None], Target | None] = {}
         self.router = router
         self.backends = router.backends
         # sock_read bounds the wait for an answer's headers and non-streamed bodies; a
@@ -187,17 +200,29 @@ class Forwarder:
             raise UpstreamError(f"The engine `{backend.name}` could not answer "
                                 f"({public}).", backend=backend.name) from None
 
-    async def _open(self, up: Upstream, backend: Backend
-                    ) -> tuple[aiohttp.ClientResponse | None, str]:
+    def _target(self, url: str, auth_header: str | None) -> Target | None:
+        key = (url, auth_header)
+        try:
+            return self._targets[key]
+        except KeyError:
+            target = self._targets[key] = target_of(url, auth_header)
+            return target
+
+    async def _open(self, up: Upstream, backend: Backend) -> tuple[Answer | None, str]:
         """The engine's response, or None and what went wrong in words fit for the caller."""
         url = backend.urls[up.endpoint]
-        headers = {"content-type": "application/json", "x-request-id": up.request_id,
-                   "accept-encoding": "identity"}
-        if backend.auth_header:
-            headers["authorization"] = backend.auth_header
+        target = self._target(url, backend.auth_header) if self.engines is not None else None
         try:
-            resp = await self.session.post(url, data=up.body, headers=headers,
-                                           timeout=self.timeout, allow_redirects=False)
+            if target is not None:
+                assert self.engines is not None
+                resp: Answer = await self.engines.post(target, up.request_id, up.body)
+            else:
+                headers = {"content-type": "application/json", "x-request-id": up.request_id,
+                           "accept-encoding": "identity"}
+                if backend.auth_header:
+                    headers["authorization"] = backend.auth_header
+                resp = await self.session.post(url, data=up.body, headers=headers,
+                                               timeout=self.timeout, allow_redirects=False)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
             # engine did not start on this request, so another backend may take it.
@@ -225,7 +250,7 @@ class Forwarder:
         return resp, ""
 
     async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
-                     resp: aiohttp.ClientResponse, send: Send) -> None:
+                     resp: Answer, send: Send) -> None:
         ex.status = resp.status
         for name in _PASS_HEADERS:
             value = resp.headers.get(name)
@@ -260,7 +285,7 @@ class Forwarder:
             return
         await self._stream(up, ex, backend, resp, send)
 
-    async def _read_body(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_body(self, backend: Backend, resp: Answer) -> bytes:
         try:
             return await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -288,7 +313,7 @@ class Forwarder:
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _stream(self, up: Upstream, ex: Relay, backend: Backend,
-                      resp: aiohttp.ClientResponse, send: Send) -> None:
+                      resp: Answer, send: Send) -> None:
         await self._start(up, ex, send, 200, None)
         content = resp.content
         loop_time = self.loop.time
@@ -470,7 +495,7 @@ def _public(exc: BaseException) -> str:
     return "connection error"
 
 
-def _redirected(backend: Backend, resp: aiohttp.ClientResponse) -> str:
+def _redirected(backend: Backend, resp: Answer) -> str:
     """An engine's 3xx, not followed: the gateway talks to the engines its policy names and no
     one else (a 301 would also turn the POST into a GET). Its target, the URL to fix, goes to
     the log; the words returned, for the caller, name none."""

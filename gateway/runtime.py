@@ -17,6 +17,7 @@ from gateway.affinity import Affinity
 from gateway.auth import Tenants
 from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
+from gateway.http1 import EnginePool
 from gateway.observe.accounting import Accountant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy
@@ -85,15 +86,26 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
     return out
 
 
+def make_engine_pool(policy: Policy) -> EnginePool | None:
+    """The forwarder's own HTTP/1.1 client (gateway/http1.py), unless the policy asks for
+    aiohttp's; in the running loop, like the session."""
+    up = policy.upstream
+    if up.client != "native":
+        return None
+    return EnginePool(up.max_connections, up.keepalive_timeout_s, up.connect_timeout_s,
+                      up.read_timeout_s)
+
+
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,
                   state: StateBackend, counters: dict[str, TokenCounter], started_at: float,
                   output_lengths: dict[str, OutputLengthModel] | None = None,
-                  prefix: PrefixIndexes | None = None) -> Runtime:
+                  prefix: PrefixIndexes | None = None,
+                  engines: EnginePool | None = None) -> Runtime:
     metrics.publish_policy(policy)
     backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
     router = Router(policy, backends)
     forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
-                          policy.upstream.read_timeout_s)
+                          policy.upstream.read_timeout_s, engines)
     scraper = EngineScraper(policy.signals.metrics_max_age_s)
     # What each backend holds survives a reload for the backends that stay.
     prefix = prefix or PrefixIndexes()

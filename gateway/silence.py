@@ -6,8 +6,9 @@ TimerHandle and a libuv timer made, and the previous pair closed, for each strea
 per stream; 15,000 chunks a second there). A stream that is flowing never comes near its
 timeout (600 s by default), so the watch keeps one timer set for the whole interval and moves
 it only when it fires: if the relay has not been waiting on the engine that long, the timer is
-set again for when it would have been. aiohttp's own timer still bounds the wait for the
-answer's headers (a long prefill is silent there); the watch turns it off for the body.
+set again for when it would have been. The client's own read timeout (aiohttp's, or
+gateway/http1.py's) still bounds the wait for the answer's headers (a long prefill is silent
+there); the watch turns it off for the body.
 
 The relay marks when it starts waiting for the engine's next read (`since`) and that it stopped
 (`since = NOT_WAITING`), so time spent writing to a slow caller (the ASGI server's drain) is not
@@ -22,6 +23,8 @@ import math
 import aiohttp
 from aiohttp.client_exceptions import SocketTimeoutError
 
+from gateway.http1 import Response
+
 NOT_WAITING = math.inf
 
 
@@ -32,7 +35,7 @@ class SilenceWatch:
 
     __slots__ = ("_content", "_handle", "_loop", "_timeout", "since")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, resp: aiohttp.ClientResponse,
+    def __init__(self, loop: asyncio.AbstractEventLoop, resp: aiohttp.ClientResponse | Response,
                  timeout_s: float) -> None:
         self._loop = loop
         self._content = resp.content

@@ -117,6 +117,30 @@ def test_client_disconnect_cancels_upstream(sim_and_gateway: tuple[Server, Serve
     assert metric(g, "gateway_kv_blocks_reserved") == 0
 
 
+def test_aiohttp_as_the_engine_client(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """`upstream.client: aiohttp` (the client for https engines too): the same answers, and a
+    caller who leaves still stops the engine."""
+    with start_sim() as sim, start_gateway(policy_yaml(
+            [sim.url], extra="upstream:\n  client: aiohttp\n")) as gw:
+        c = openai_client(gw.url)
+        chunks = list(c.chat.completions.create(
+            model="test-model", messages=MESSAGES, max_tokens=6, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+        whole = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                          max_tokens=3, extra_body={"ignore_eos": True})
+        assert whole.usage is not None and whole.usage.completion_tokens == 3
+        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+                                           max_tokens=4000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        stream.close()
+        e = poll_metric(sim.url, "vllm:num_requests_running", lambda v: v == 0)
+        assert metric(e, "vllm:generation_tokens_total") < 4000
+
+
 def test_dead_backend_skipped_and_retried(start_sim: StartSim,
                                           start_gateway: StartGateway) -> None:
     with start_sim() as doomed, start_sim() as sim:

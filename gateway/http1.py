@@ -1,0 +1,499 @@
+"""The forwarder's HTTP/1.1 client to the engines: a connection pool and a protocol on httptools.
+
+aiohttp's request path costs more than the gateway's whole pipeline: from `session.post` to
+the request's first byte on the socket, 106 us back to back and 367 us after 35 ms idle on this
+machine (benchmarks/engine_client.py), against 10 and 30 us for this client; the request itself
+is ~40 us of kernel either way. Each request builds a ClientRequest (its URL, headers, auto
+headers, cookies, body payload, writer task), a connection key and a timer context. Here the
+request line and the headers that do not change are one `bytes` per backend endpoint, made
+once; a request is that, its id, its length and its body in one `transport.write`, on a
+connection taken from a per-endpoint stack. The answer is parsed by httptools (llhttp, as
+uvicorn parses requests), and its body handed to the relay as it comes, as aiohttp's
+`readany` does.
+
+What it keeps of aiohttp's behaviour, because the forwarder's failure handling stands on it:
+the same exception types (a refused connect is a ClientConnectorError, a connection the engine
+closed before answering a ServerDisconnectedError, a reset a ClientOSError, a cut body a
+ClientPayloadError, a silent engine a SocketTimeoutError), the `read_timeout` between reads
+(bounding the wait for the answer's headers; gateway/silence.py turns it off for a stream's
+body), flow control (the engine's socket is paused while the caller has not taken what was
+read), and keep-alive (a connection is reused only after its answer was read to the end and the
+engine did not ask to close, and not once it has been idle `keepalive_timeout_s`, which is
+under the engines' own, so one the engine is about to close is not reused).
+
+Only plain `http://` backends without credentials in their URL are served here; any other goes
+through aiohttp (`Forwarder`), as do the probes, the scrapes and the pass-through endpoints,
+which are not on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno as errnos
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+# The engine's socket is paused when this much of its answer waits for the caller, and read
+# again under half of it (aiohttp's StreamReader: twice its 64 KiB limit).
+HIGH_WATER = 1 << 17
+LOW_WATER = 1 << 16
+
+
+class Unreachable(aiohttp.ClientConnectorError):
+    """A connect that failed: aiohttp's ClientConnectorError, without its connection key."""
+
+    def __init__(self, host: str, port: int, os_error: OSError) -> None:
+        self._where = (host, port)
+        self._os_error = os_error
+        aiohttp.ClientOSError.__init__(self, os_error.errno, os_error.strerror)
+        self.args = (host, port, os_error)
+
+    @property
+    def host(self) -> str:
+        return self._where[0]
+
+    @property
+    def port(self) -> int | None:
+        return self._where[1]
+
+    @property
+    def ssl(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"Cannot connect to host {self.host}:{self.port} [{self.strerror}]"
+
+
+class Target:
+    """One engine endpoint, worked out once: where to connect, and the request's fixed head."""
+
+    __slots__ = ("head", "host", "key", "port")
+
+    def __init__(self, url: URL, auth_header: str | None) -> None:
+        assert url.host is not None and url.port is not None
+        self.host = url.host
+        self.port = url.port
+        self.key = (self.host, self.port)
+        lines = [b"POST " + (url.raw_path_qs or "/").encode("ascii") + b" HTTP/1.1",
+                 b"Host: " + url.raw_authority.encode("ascii"),
+                 b"content-type: application/json", b"accept-encoding: identity"]
+        if auth_header:
+            lines.append(b"authorization: " + _header_value(auth_header))
+        self.head = b"\r\n".join(lines) + b"\r\nx-request-id: "
+
+
+def target_of(url: str, auth_header: str | None) -> Target | None:
+    """`url`'s Target, or None where this client does not serve it (not plain http, or with
+    credentials or an odd form in it)."""
+    try:
+        u = URL(url)
+    except ValueError:
+        return None
+    if u.scheme != "http" or u.user is not None or u.password is not None \
+            or not u.host or u.port is None or u.fragment:
+        return None
+    try:
+        return Target(u, auth_header)
+    except (UnicodeEncodeError, ValueError):
+        return None
+
+
+def _header_value(value: str) -> bytes:
+    raw = value.encode("latin-1")
+    if b"\r" in raw or b"\n" in raw:
+        raise ValueError("a header value holds a line break")
+    return raw
+
+
+class Body:
+    """An answer's body as the engine sends it: aiohttp's StreamReader calls the relay uses
+    (`readany`, `read`, `set_exception`), over a deque the protocol feeds."""
+
+    __slots__ = ("_buffer", "_conn", "_eof", "_exc", "_size", "_waiter")
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._buffer.append(data)
+        self._size += len(data)
+        if self._size > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self._exc is None:  # the first cause stands (a timeout, then the close it makes)
+            self._exc = exc
+        self._wake()
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buffer
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def readany(self) -> bytes:
+        """What has come since the last read (b"" at the end); waits for something."""
+        while not self._buffer:
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return b""
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
+        self._buffer.clear()
+        self._size = 0
+        self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            data = await self.readany()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+
+class Response:
+    """The engine's answer: what of aiohttp's ClientResponse the forwarder reads."""
+
+    __slots__ = ("_released", "connection", "content", "headers", "status")
+
+    def __init__(self, conn: Connection, status: int, headers: CIMultiDict[str]) -> None:
+        self.connection = conn  # `.protocol` is the connection itself (gateway/silence.py)
+        self.status = status
+        self.headers = CIMultiDictProxy(headers)
+        self.content = Body(conn)
+        self._released = False
+
+    async def read(self) -> bytes:
+        try:
+            return await self.content.read()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to the pool if the answer was read whole
+        and the engine keeps it open, and is closed otherwise (so an engine generating for a
+        caller who left stops: vLLM aborts a request whose connection closes)."""
+        if not self._released:
+            self._released = True
+            self.connection.done(self.content.at_eof())
+
+    def close(self) -> None:
+        """Done with it, and its connection closed whatever was read."""
+        self.connection.close()
+        self.release()
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine: one request at a time, parsed by httptools."""
+
+    def __init__(self, pool: EnginePool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        # The parser holds this protocol and this protocol the parser: the pair is broken when
+        # the connection goes (connection_lost), so its reference counts free it. Without
+        # that each closed connection waits, with its last answer, for the heap keeper's sweep.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._answer: asyncio.Future[Response] | None = None
+        self._response: Response | None = None
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._framed = False  # the answer has a length or is chunked (else: read to close)
+        self._complete = False
+        self._keep = False
+        self._paused = False
+        self._active = False  # a request is out on it and its response not yet released
+        self._timeout: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
+        self.idle_since = 0.0
+
+    @property
+    def protocol(self) -> Connection:
+        return self
+
+    # The longest the engine may stay silent, from the request to the end of the answer
+    # (aiohttp's sock_read): set None to stop watching (gateway/silence.py does, for a stream's
+    # body). One timer a request, moved only when it fires, not at every read.
+    @property
+    def read_timeout(self) -> float | None:
+        return self._timeout
+
+    @read_timeout.setter
+    def read_timeout(self, value: float | None) -> None:
+        self._timeout = value
+        if value is None and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _watch(self) -> None:
+        self._timer = None
+        if self._timeout is None or self.transport is None:
+            return
+        due = self._last_read + self._timeout
+        now = self.loop.time()
+        if now < due:
+            self._timer = self.loop.call_at(due, self._watch)
+            return
+        self._fail(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+        self.close()
+
+    # --- one request ------------------------------------------------------------------------
+
+    def send(self, data: bytes, read_timeout: float) -> asyncio.Future[Response]:
+        assert self.transport is not None
+        self._active = True
+        self._answer = self.loop.create_future()
+        self._response = None
+        self._headers = CIMultiDict()
+        self._framed = self._complete = self._keep = False
+        self._timeout = read_timeout
+        self._last_read = self.loop.time()
+        self._timer = self.loop.call_at(self._last_read + read_timeout, self._watch)
+        self.transport.write(data)
+        return self._answer
+
+    def done(self, whole: bool) -> None:
+        """The response was released (`whole`: its body read to the end)."""
+        self._active = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        reusable = whole and self._complete and self._keep and self.transport is not None \
+            and not self.transport.is_closing()
+        self._response = None  # the answer refers to this connection: no cycle kept
+        if not reusable:
+            self.close()
+        self.pool.give_back(self, reusable)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _fail(self, exc: BaseException) -> None:
+        answer, self._answer = self._answer, None
+        if answer is not None and not answer.done():
+            answer.set_exception(exc)
+        elif self._response is not None and not self._complete:
+            self._response.content.set_exception(exc)
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TCPTransport does not subclass asyncio.Transport, but has its methods.
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if not self._active:  # bytes no request asked for: the connection is of no use
+            self.close()
+            return
+        if self._timeout is not None:  # a stream's body has its own watch (gateway/silence.py)
+            self._last_read = self.loop.time()
+        assert self._parser is not None
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(aiohttp.ClientPayloadError(f"Malformed answer from the engine: {exc}")
+                       if self._response is not None else
+                       aiohttp.ClientConnectionError(f"Malformed answer from the engine: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close: a half-closed engine connection is of no further use
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.pool.lost(self)
+        self._parser = None
+        answer, self._answer = self._answer, None
+        response, self._response = self._response, None
+        if answer is not None and not answer.done():
+            answer.set_exception(
+                aiohttp.ServerDisconnectedError() if exc is None else
+                aiohttp.ClientOSError(getattr(exc, "errno", None) or errnos.ECONNRESET, str(exc)))
+        elif response is not None and not self._complete:
+            if exc is None and not self._framed:  # an answer that ends where its connection does
+                self._complete = True
+                response.content.feed_eof()
+            else:
+                response.content.set_exception(aiohttp.ClientPayloadError(
+                    "Response payload is not completed" + (f": {exc!r}" if exc else "")))
+
+    # --- httptools ----------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        assert self._parser is not None
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the next
+            self._headers = CIMultiDict()
+            return
+        headers = self._headers
+        self._framed = "content-length" in headers or \
+            "chunked" in headers.get("transfer-encoding", "").lower()
+        self._keep = self._parser.should_keep_alive()
+        self._response = Response(self, status, headers)
+        answer = self._answer
+        self._answer = None
+        if answer is not None and not answer.done():
+            answer.set_result(self._response)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response.content.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._response is None:  # the end of an interim answer
+            return
+        self._complete = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._response.content.feed_eof()
+
+
+class EnginePool:
+    """Keep-alive connections per engine endpoint, at most `limit` in use at once."""
+
+    def __init__(self, limit: int, keepalive_s: float, connect_timeout_s: float,
+                 read_timeout_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.limit = limit
+        self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._busy = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._open: set[Connection] = set()
+        self._closed = False
+
+    async def post(self, target: Target, request_id: str, body: bytes) -> Response:
+        """POST `body` to `target`: the answer once its headers are in."""
+        data = b"".join((target.head, _header_value(request_id), b"\r\ncontent-length: ",
+                         b"%d" % len(body), b"\r\n\r\n", body))
+        conn = await self._acquire(target)
+        try:
+            return await conn.send(data, self.read_timeout_s)
+        except BaseException:
+            conn.close()
+            self.give_back(conn, False)
+            raise
+
+    async def _acquire(self, target: Target) -> Connection:
+        while self._busy >= self.limit:
+            waiter = self.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if not waiter.cancelled() and waiter.done():
+                    self._wake()  # handed a turn it will not take: on to the next
+                raise
+        if self._closed:
+            raise aiohttp.ClientConnectionError("the gateway is shutting down")
+        self._busy += 1
+        idle = self._idle.get(target.key)
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to be closing
+            if conn.transport is not None and not conn.transport.is_closing() \
+                    and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        try:
+            return await self._connect(target)
+        except BaseException:
+            self._busy -= 1
+            self._wake()
+            raise
+
+    async def _connect(self, target: Target) -> Connection:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: Connection(self, target.key), target.host, target.port)
+        except TimeoutError:
+            raise aiohttp.ConnectionTimeoutError(
+                f"Connection timeout to host {target.host}:{target.port}") from None
+        except OSError as exc:
+            raise Unreachable(target.host, target.port, exc) from None
+        self._open.add(conn)
+        return conn
+
+    def give_back(self, conn: Connection, reusable: bool) -> None:
+        """A request is done with `conn`: idle for the next if `reusable`."""
+        self._busy -= 1
+        if reusable and not self._closed:
+            conn.idle_since = self.loop.time()
+            self._idle.setdefault(conn.key, []).append(conn)
+        self._wake()
+
+    def lost(self, conn: Connection) -> None:
+        self._open.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._open):
+            conn.close()
+        self._idle.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
