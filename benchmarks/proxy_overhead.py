@@ -98,7 +98,7 @@ server:
   inline_tokenize_chars: {inline}
   gc_freeze_interval_s: {freeze}
   count_behind_chars: {behind}
-defaults:
+{upstream}defaults:
   slo:
     tpot_p95_s: {tpot}
 """
@@ -110,11 +110,15 @@ FLOOR = {"tokenizer": "none", "architecture": ""}
 
 def policy_text(engine: str, fields: dict[str, str], *, tpot: float = 0.06,
                 stages: str = "true", inline: int = 512, freeze: float = 0.1,
-                encoder: str = "auto", behind: int = 1024, renderer: str = "auto") -> str:
+                encoder: str = "auto", behind: int = 1024, renderer: str = "auto",
+                client: str = "native") -> str:
     """POLICY for one target: `fields` is FLOOR or SHIPPED, the rest the server's defaults
     unless a variant target changes one."""
     return POLICY.format(model=MODEL, engine=engine, tpot=tpot, stages=stages, inline=inline,
                          freeze=freeze, encoder=encoder, behind=behind, renderer=renderer,
+                         # Only when not the default: a tree from before the key (--gateway)
+                         # still reads the policy.
+                         upstream="" if client == "native" else f"upstream:\n  client: {client}\n",
                          **fields)
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
@@ -943,6 +947,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shipped-switch1ms (the GIL's switch interval 1 ms), "
                         "shipped-jinja (every chat template rendered by Jinja, "
                         "models[].renderer: jinja), "
+                        "shipped-aioclient and floor-aioclient (requests to the engine through "
+                        "aiohttp's client, upstream.client: aiohttp), "
                         "aiohttp, "
                         "httpx")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
@@ -1017,17 +1023,20 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
-        for kind, fields, stages, inline, freeze, encoder, behind, renderer in (
-                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024, "auto"),
-                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto"),
-                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024, "auto"),
-                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024, "auto"),
-                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024, "auto"),
-                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024, "auto"),
-                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024, "auto"),
-                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0, "auto"),
-                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096, "auto"),
-                ("shipped-jinja", SHIPPED, "true", 512, 0.1, "auto", 1024, "jinja")):
+        for kind, fields, stages, inline, freeze, encoder, behind, renderer, client in (
+                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "native"),
+                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto", "native"),
+                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024, "auto", "native"),
+                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024, "auto", "native"),
+                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024, "auto", "native"),
+                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024, "auto", "native"),
+                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024, "auto", "native"),
+                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0, "auto", "native"),
+                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096, "auto", "native"),
+                ("shipped-jinja", SHIPPED, "true", 512, 0.1, "auto", 1024, "jinja", "native"),
+                ("shipped-aioclient", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto",
+                 "aiohttp"),
+                ("floor-aioclient", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "aiohttp")):
             policies[kind] = work / f"policy-{kind}.yaml"
             # The SLO the planner derives the latency guard from: the default 60 ms per token,
             # or twice the stub's token interval when --itl-ms is longer, so the guard does
@@ -1036,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
             policies[kind].write_text(policy_text(engine.url, fields, tpot=tpot,
                                                   stages=stages, inline=inline, freeze=freeze,
                                                   encoder=encoder, behind=behind,
-                                                  renderer=renderer))
+                                                  renderer=renderer, client=client))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
@@ -1050,7 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc = stack.enter_context(gateway(name, {"GATEWAY_SWITCH_INTERVAL_S": "0.001"},
                                                    kind="shipped"))
                 targets.append(Target(name, proc.url, proc, metrics=True))
-            elif name in policies and name.startswith("shipped"):
+            elif name in policies and (name.startswith("shipped") or name == "floor-aioclient"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
             elif name == "gateway":
