@@ -825,7 +825,8 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
     out()
     rows = []
     stall_targets = [t for t in targets
-                     if t.name in ("direct", "gateway", "shipped", "shipped-nofreeze")]
+                     if t.name in ("direct", "gateway", "shipped", "shipped-nofreeze",
+                                   "shipped-aioclient")]
     for rep in range(args.stall_repeats):
         order = stall_targets if rep % 2 == 0 else list(reversed(stall_targets))
         for t in order:

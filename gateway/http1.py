@@ -1,10 +1,11 @@
 """The forwarder's HTTP/1.1 client to the engines: a connection pool and a protocol on httptools.
 
-aiohttp's request path costs more than the gateway's whole pipeline: from `session.post` to
-the request's first byte on the socket, 106 us back to back and 367 us after 35 ms idle on this
-machine (benchmarks/engine_client.py), against 10 and 30 us for this client; the request itself
-is ~40 us of kernel either way. Each request builds a ClientRequest (its URL, headers, auto
-headers, cookies, body payload, writer task), a connection key and a timer context. Here the
+aiohttp's request path cost more than the gateway's whole pipeline: from `session.post` to
+the request's bytes on the socket, ~300 us back to back and 360-400 us after 35 ms idle on this
+machine, against 17-18 and 56-61 us for this client; to the engine's receipt 381 against 90-95
+us hot, 524-567 against 245-268 cold (benchmarks/engine_client.py, three runs). Each
+request builds a ClientRequest (its URL, headers, auto headers, cookies, body payload, writer
+task), a connection key and a timer context. Here the
 request line and the headers that do not change are one `bytes` per backend endpoint, made
 once; a request is that, its id, its length and its body in one `transport.write`, on a
 connection taken from a per-endpoint stack. The answer is parsed by httptools (llhttp, as
