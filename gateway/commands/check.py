@@ -84,7 +84,9 @@ def summarise(policy: Policy) -> str:
                  f"prompt {s.max_prompt_chars:,} chars; default max_tokens "
                  f"{policy.defaults.max_tokens}")
     lines.append(f"  upstream: connect {u.connect_timeout_s:g}s, read {u.read_timeout_s:g}s, "
-                 f"{u.max_connections} connections; health: probe every "
+                 f"{u.max_connections} connections, "
+                 + ("the gateway's own client (aiohttp for https)" if u.client == "native"
+                    else "aiohttp's client") + "; health: probe every "
                  f"{h.probe_interval_s:g}s, eject after {h.failure_threshold} failures for "
                  f"{h.cooldown_s:g}s")
     slo = policy.defaults.slo
