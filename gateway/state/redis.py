@@ -148,7 +148,7 @@ def make_client(target: StateURL, timeout_s: float
         return RedisCluster(startup_nodes=nodes, username=target.username,
                             password=target.password, ssl=target.tls, **common), []
     assert target.kind == SENTINEL
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed in newer redis-py
         list(target.nodes), sentinel_kwargs={"socket_timeout": timeout_s,
                                              "socket_connect_timeout": timeout_s,
                                              "ssl": target.tls,
