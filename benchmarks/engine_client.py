@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
     timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=3, sock_read=600)
     headers = {"content-type": "application/json", "x-request-id": "bench",
                "accept-encoding": "identity"}
-    pool = EnginePool(100, 4.0, 3.0, 600.0)
+    pool = EnginePool(100, 4.0)
     target = target_of(url, None)
     assert target is not None
     _note_writes()
@@ -93,7 +93,7 @@ async def main(args: argparse.Namespace) -> None:
             return took, await resp.read()
 
     async def native() -> tuple[int, bytes]:
-        resp = await pool.post(target, "bench", BODY)
+        resp = await pool.post(target, "bench", BODY, 3.0, 600.0)
         took = time.thread_time_ns()
         async with resp:
             return took, await resp.read()

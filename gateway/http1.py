@@ -400,34 +400,34 @@ class Connection(asyncio.Protocol):
 
 
 class EnginePool:
-    """Keep-alive connections per engine endpoint, at most `limit` in use at once."""
+    """Keep-alive connections per engine endpoint, at most `limit` in use at once. Built at
+    start-up and kept across reloads, like aiohttp's session; the timeouts come with each
+    request, from the policy in force."""
 
-    def __init__(self, limit: int, keepalive_s: float, connect_timeout_s: float,
-                 read_timeout_s: float) -> None:
+    def __init__(self, limit: int, keepalive_s: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.limit = limit
         self.keepalive_s = keepalive_s
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
         self._idle: dict[tuple[str, int], list[Connection]] = {}
         self._busy = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._open: set[Connection] = set()
         self._closed = False
 
-    async def post(self, target: Target, request_id: str, body: bytes) -> Response:
+    async def post(self, target: Target, request_id: str, body: bytes,
+                   connect_timeout_s: float, read_timeout_s: float) -> Response:
         """POST `body` to `target`: the answer once its headers are in."""
         data = b"".join((target.head, _header_value(request_id), b"\r\ncontent-length: ",
                          b"%d" % len(body), b"\r\n\r\n", body))
-        conn = await self._acquire(target)
+        conn = await self._acquire(target, connect_timeout_s)
         try:
-            return await conn.send(data, self.read_timeout_s)
+            return await conn.send(data, read_timeout_s)
         except BaseException:
             conn.close()
             self.give_back(conn, False)
             raise
 
-    async def _acquire(self, target: Target) -> Connection:
+    async def _acquire(self, target: Target, connect_timeout_s: float) -> Connection:
         while self._busy >= self.limit:
             waiter = self.loop.create_future()
             self._waiters.append(waiter)
@@ -449,15 +449,15 @@ class EnginePool:
                 return conn
             conn.close()
         try:
-            return await self._connect(target)
+            return await self._connect(target, connect_timeout_s)
         except BaseException:
             self._busy -= 1
             self._wake()
             raise
 
-    async def _connect(self, target: Target) -> Connection:
+    async def _connect(self, target: Target, timeout_s: float) -> Connection:
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 _, conn = await self.loop.create_connection(
                     lambda: Connection(self, target.key), target.host, target.port)
         except TimeoutError:

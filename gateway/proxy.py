@@ -128,6 +128,7 @@ class Forwarder:
                                              sock_connect=connect_timeout,
                                              sock_read=read_timeout)
         self.read_timeout_s = read_timeout
+        self.connect_timeout_s = connect_timeout
         self.loop = asyncio.get_running_loop()
 
     async def forward(self, up: Upstream, ex: Relay, send: Send,
@@ -215,7 +216,9 @@ class Forwarder:
         try:
             if target is not None:
                 assert self.engines is not None
-                resp: Answer = await self.engines.post(target, up.request_id, up.body)
+                resp: Answer = await self.engines.post(target, up.request_id, up.body,
+                                                       self.connect_timeout_s,
+                                                       self.read_timeout_s)
             else:
                 headers = {"content-type": "application/json", "x-request-id": up.request_id,
                            "accept-encoding": "identity"}

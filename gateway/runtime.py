@@ -92,8 +92,7 @@ def make_engine_pool(policy: Policy) -> EnginePool | None:
     up = policy.upstream
     if up.client != "native":
         return None
-    return EnginePool(up.max_connections, up.keepalive_timeout_s, up.connect_timeout_s,
-                      up.read_timeout_s)
+    return EnginePool(up.max_connections, up.keepalive_timeout_s)
 
 
 def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.ClientSession,

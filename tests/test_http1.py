@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import uvloop
 
-from gateway.http1 import HIGH_WATER, EnginePool, Target, target_of
+from gateway.http1 import HIGH_WATER, EnginePool, Response, Target, target_of
 from gateway.proxy import _public
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -88,12 +88,22 @@ def target(port: int, auth: str | None = None) -> Target:
     return t
 
 
-def pool(**kw: float) -> EnginePool:
-    args: dict[str, float] = {"limit": 8, "keepalive_s": 4.0, "connect_timeout_s": 2.0,
-                              "read_timeout_s": 5.0}
-    args.update(kw)
-    return EnginePool(int(args["limit"]), args["keepalive_s"], args["connect_timeout_s"],
-                      args["read_timeout_s"])
+class Pool(EnginePool):
+    """The pool with the timeouts a test gives it, as the forwarder passes the policy's."""
+
+    def __init__(self, limit: int, read_timeout_s: float) -> None:
+        super().__init__(limit, keepalive_s=4.0)
+        self.read_timeout_s = read_timeout_s
+
+    async def post(self, target: Target, request_id: str, body: bytes,  # type: ignore[override]
+                   connect_timeout_s: float = 2.0, read_timeout_s: float | None = None
+                   ) -> Response:
+        return await super().post(target, request_id, body, connect_timeout_s,
+                                  read_timeout_s or self.read_timeout_s)
+
+
+def pool(limit: int = 8, read_timeout_s: float = 5.0) -> Pool:
+    return Pool(limit, read_timeout_s)
 
 
 def test_which_urls_it_serves() -> None:
