@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -97,15 +98,20 @@ def test_metrics_after_traffic(sim_and_gateway: tuple[Server, Server]) -> None:
     assert metric(s, "gateway_event_loop_lag_seconds_count") >= 0
 
 
-def test_client_disconnect_cancels_upstream(sim_and_gateway: tuple[Server, Server]) -> None:
-    sim, gw = sim_and_gateway
-    c = openai_client(gw.url)
+def _long_stream_started(c: openai.OpenAI) -> openai.Stream[Any]:
+    """A 4,000-token stream, its first three chunks read: a caller about to leave."""
     stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
                                        max_tokens=4000, stream=True,
                                        extra_body={"ignore_eos": True})
     it = iter(stream)
     for _ in range(3):
         next(it)
+    return stream
+
+
+def test_client_disconnect_cancels_upstream(sim_and_gateway: tuple[Server, Server]) -> None:
+    sim, gw = sim_and_gateway
+    stream = _long_stream_started(openai_client(gw.url))
     assert metric(scrape(gw.url), "gateway_inflight_requests", pool="default") == 1
     stream.close()  # the caller goes away mid-stream
     # Each settles and then stays (nothing else is sent), so the last scrape sees all three.
@@ -130,13 +136,7 @@ def test_aiohttp_as_the_engine_client(start_sim: StartSim, start_gateway: StartG
         whole = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
                                           max_tokens=3, extra_body={"ignore_eos": True})
         assert whole.usage is not None and whole.usage.completion_tokens == 3
-        stream = c.chat.completions.create(model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
-                                           max_tokens=4000, stream=True,
-                                           extra_body={"ignore_eos": True})
-        it = iter(stream)
-        for _ in range(3):
-            next(it)
-        stream.close()
+        _long_stream_started(c).close()
         e = poll_metric(sim.url, "vllm:num_requests_running", lambda v: v == 0)
         assert metric(e, "vllm:generation_tokens_total") < 4000
 
