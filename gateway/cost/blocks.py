@@ -14,6 +14,10 @@ to that).
 `Walk` splits the work where it is cheapest: the walk over known pieces is Python and short, so
 the counter runs it on the event loop; what is left (encoding new pieces, hashing their blocks)
 runs inline when it is small and in a worker thread when it is not (gateway/cost/counter.py).
+
+A walk may start part-way, at a position a conversation's earlier messages reached
+(gateway/cost/turns.py), so a seen history is neither rendered nor walked again; the steps a
+walk takes are then handed to a `Learn` callback, which remembers the new messages' positions.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.prefix.hashing import ROOT_HASH, block_hashes
 from gateway.prefix.index import table_count
@@ -37,14 +42,41 @@ PieceIds = Callable[[list[str]], list["array[int]"]]  # text pieces -> their ids
 
 
 @dataclass(frozen=True, slots=True)
-class _Node:
+class Node:
     tokens: int  # ids in the prompt up to the end of this piece
     hashes: array[int]  # 'q': the hashes of the blocks completed within this piece
     tail: array[int]  # 'I': the ids after the last full block
     last: int  # the hash of the last full block so far (ROOT_HASH before the first)
 
 
-_ROOT = _Node(0, array("q"), array("I"), ROOT_HASH)
+ROOT = Node(0, array("q"), array("I"), ROOT_HASH)
+
+# Where a walk starts: the key and node of the step before its first piece, and the hashes of
+# the blocks completed up to there (in parts, in order; a list of the walk's own, extended).
+Start = tuple[int, Node, list["array[int]"]]
+# After a walk's last step: its pieces and, for each step with a special token after its text,
+# that step's key and node (the steps a later walk may start after).
+Learn = Callable[[list[str], list[tuple[int, Node]]], None]
+
+
+class PromptWalk(Protocol):
+    """What the counter reads of a prompt's walk (`Walk`, or turns.py's `Resumed`)."""
+
+    left_chars: int  # characters that may still need encoding
+
+    @property
+    def known_tokens(self) -> int: ...
+
+    def known_hashes(self) -> array[int]: ...
+
+    def bound(self, max_ids: Callable[[str], int]) -> int: ...
+
+    def finish(self) -> tuple[int, array[int]]: ...
+
+
+def root_key(block_size: int) -> int:
+    """The key before a prompt's first step."""
+    return hash(("blocks", block_size))
 
 
 class BlockChains:
@@ -59,7 +91,7 @@ class BlockChains:
         self._mask = n - 1
         self._max_nodes = -(-max_nodes // n)  # a table's share
         self._max_blocks = -(-max_blocks // n)
-        self._tables: list[OrderedDict[int, _Node]] = [OrderedDict() for _ in range(n)]
+        self._tables: list[OrderedDict[int, Node]] = [OrderedDict() for _ in range(n)]
         self._blocks = [0] * n  # block hashes held, per table
         self._lock = threading.Lock()
 
@@ -67,8 +99,10 @@ class BlockChains:
         return sum(map(len, self._tables))
 
     def walk(self, pieces: list[str], specials: dict[str, int], block_size: int,
-             piece_ids: PieceIds) -> Walk:
-        """Follow the known nodes from the prompt's start; the rest is left to `Walk.finish`.
+             piece_ids: PieceIds, start: Start | None = None, learn: Learn | None = None
+             ) -> Walk:
+        """Follow the known nodes from the prompt's start, or from `start` where the pieces
+        are what follows it; the rest is left to `Walk.finish`.
 
         `pieces` alternate text and special-token content, text first and last (the splitter's
         output); `piece_ids` gives the ids of text pieces the trie does not know. A step is one
@@ -76,9 +110,12 @@ class BlockChains:
         a piece, and a walk stops at the same text piece either way, since a turn's new text
         is what differs, not the template's token after it.
         """
-        key = hash(("blocks", block_size))
-        node = _ROOT
-        done: list[array[int]] = []
+        done: list[array[int]]
+        if start is None:
+            key, node, done = root_key(block_size), ROOT, []
+        else:
+            key, node, done = start
+        steps: list[tuple[int, Node]] | None = [] if learn is not None else None
         at = 0
         tables, mask = self._tables, self._mask
         with self._lock:
@@ -92,9 +129,12 @@ class BlockChains:
                 done.append(found.hashes)
                 key, node = step, found
                 at += 2
-        return Walk(self, pieces, specials, block_size, piece_ids, at, key, node, done)
+                if steps is not None and special is not None:
+                    steps.append((step, found))
+        return Walk(self, pieces, specials, block_size, piece_ids, at, key, node, done,
+                    learn, steps)
 
-    def _put(self, key: int, node: _Node) -> None:
+    def _put(self, key: int, node: Node) -> None:
         t = key & self._mask
         table = self._tables[t]
         with self._lock:
@@ -124,16 +164,19 @@ class Walk:
         "_chains",
         "_done",
         "_key",
+        "_learn",
         "_node",
         "_piece_ids",
         "_pieces",
         "_specials",
+        "_steps",
         "left_chars",
     )
 
     def __init__(self, chains: BlockChains, pieces: list[str], specials: dict[str, int],
-                 block_size: int, piece_ids: PieceIds, at: int, key: int, node: _Node,
-                 done: list[array[int]]) -> None:
+                 block_size: int, piece_ids: PieceIds, at: int, key: int, node: Node,
+                 done: list[array[int]], learn: Learn | None = None,
+                 steps: list[tuple[int, Node]] | None = None) -> None:
         self._chains = chains
         self._pieces = pieces
         self._specials = specials
@@ -143,6 +186,8 @@ class Walk:
         self._key = key
         self._node = node
         self._done = done
+        self._learn = learn
+        self._steps = steps
         self.left_chars = sum(map(len, pieces[at::2]))
 
     @property
@@ -172,6 +217,7 @@ class Walk:
             out.extend(part)
         texts = pieces[at::2]
         if not texts:  # every step was walked
+            self._learned()
             return node.tokens, out
         encoded = self._piece_ids(texts)
         # The last text piece has no special token after it.
@@ -190,5 +236,15 @@ class Walk:
                 del buf[:len(made) * bs]
             out.extend(made)
             key = hash((key, text, len(text), special))
-            self._chains._put(key, _Node(tokens, made, array("I", buf), last))
+            node = Node(tokens, made, array("I", buf), last)
+            self._chains._put(key, node)
+            if self._steps is not None and special is not None:
+                self._steps.append((key, node))
+        self._learned()
         return tokens, out
+
+    def _learned(self) -> None:
+        learn, steps = self._learn, self._steps
+        if learn is not None and steps is not None:
+            self._learn = None  # once: a second finish would hand the steps over twice
+            learn(self._pieces, steps)

