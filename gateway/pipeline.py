@@ -311,13 +311,15 @@ class Pipeline:
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             t = lap("quota", t)
             upstream_body, strip_usage = self._upstream_body(p)
-            ask = p.ask(self.loop_time())
-            if p.prompt.pending is not None and not rt.admission.admits_now(ask):
-                p = await self._counted(p)  # the bound would wait or be refused: the count decides
-                ask = p.ask(self.loop_time())
+            ticket = None
             if p.prompt.pending is not None:
-                rt.metrics.child(rt.metrics.counted_behind, p.model.name, "sent").inc()
-            ticket = await rt.admission.admit(ask)
+                ticket = await rt.admission.admit_at_once(p.ask(self.loop_time()))
+                if ticket is None:  # the bound would wait or be refused: the count decides
+                    p = await self._counted(p)
+                else:
+                    rt.metrics.child(rt.metrics.counted_behind, p.model.name, "sent").inc()
+            if ticket is None:
+                ticket = await rt.admission.admit(p.ask(self.loop_time()))
             if self._timed:
                 self._stage["queue"](ticket.queue_s)
                 lap("admission", t + ticket.queue_s)

@@ -214,10 +214,6 @@ class Admission:
         out["reserve_blocks"] = blocks_on(chosen, ask.blocks) if chosen is not None else None
         return out
 
-    def admits_now(self, ask: Ask) -> bool:
-        """Whether `admit` would admit `ask` at once (rather than queue or refuse it)."""
-        return decide(self.view(ask), _ask_view(ask)).action == "admit"
-
     def rebook(self, ticket: Ticket, ask: Ask) -> asyncio.Future[None]:
         """Book `ticket` again on `ask`, its prompt counted (gateway/admission/rebook.py)."""
         ticket.resizing = asyncio.ensure_future(rebook(self, ticket, ask))
@@ -226,6 +222,17 @@ class Admission:
     async def admit(self, ask: Ask) -> Ticket:
         """Admit `ask` now (a ticket), queue it until it fits (a ticket, later), or raise the
         refusal; whichever `decide` says."""
+        ticket = await self._admit(ask, True)
+        assert ticket is not None
+        return ticket
+
+    async def admit_at_once(self, ask: Ask) -> Ticket | None:
+        """`admit` where `decide` admits `ask` at once; None, and nothing counted, where it
+        would queue or refuse it (a prompt's bound, whose count is then waited for and asked
+        instead: gateway/pipeline.py)."""
+        return await self._admit(ask, False)
+
+    async def _admit(self, ask: Ask, settle: bool) -> Ticket | None:
         ps = self.pools[ask.pool]
         refused: dict[str, str] = {}
         view = self.view(ask)
@@ -243,6 +250,8 @@ class Admission:
             refused[d.backend] = reason
             view = self.view(ask, refused)
             d = decide(view, _ask_view(ask))
+        if not settle:
+            return None
         if d.action == "queue":
             return await self._wait(ps, ask, d.reason)
         if d.reason != "no_backend":

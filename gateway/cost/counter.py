@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -172,11 +172,16 @@ class TokenCounter:
                 # it is long, goes off the loop to be encoded and hashed.
                 walk = tok.walk_chat(block_size, messages, tools, **(template_kwargs or {}))
                 rank = tok.rank_bpe  # a byte-level BPE: its ids have a cheap bound
-                if behind_chars and walk.left_chars >= behind_chars and rank is not None:
-                    # The new text goes to a worker while the request goes on with a bound;
-                    # off the loop even where it would be counted inline: nothing waits.
-                    job = asyncio.ensure_future(self._off_loop(
-                        walk.left_chars, caller, walk.finish, may_inline=False))
+                if behind_chars and chars >= behind_chars and walk.left_chars \
+                        and rank is not None:
+                    # The request goes on with a bound while what is new is counted: new
+                    # text from `behind_chars` on in a worker (off the loop even where it
+                    # would be counted inline: nothing waits), less on the loop once the
+                    # request is on its way (a turn's new question: a worker's hop would
+                    # cost more than its count).
+                    job: asyncio.Future[tuple[int, Sequence[int]]] = asyncio.ensure_future(
+                        self._off_loop(walk.left_chars, caller, walk.finish, may_inline=False)) \
+                        if walk.left_chars >= behind_chars else after_this(walk.finish)
                     return TokenCount(walk.bound(rank.max_ids), chars, True,
                                       walk.known_hashes(), job, walk.known_tokens)
                 tokens, hashes = await self._off_loop(walk.left_chars, caller, walk.finish)
@@ -236,6 +241,24 @@ class TokenCounter:
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
+
+
+def after_this(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """`fn()`'s result, called from the event loop's next turn: after whatever the caller does
+    before it next waits (a request's forward, written to the engine)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        if future.cancelled():
+            return
+        try:
+            future.set_result(fn())
+        except Exception as exc:
+            future.set_exception(exc)
+
+    loop.call_soon(run)
+    return future
 
 
 def _then_trim(job: Any) -> Any:
