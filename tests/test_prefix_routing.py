@@ -503,3 +503,50 @@ pools:
         assert all(b.cached_tokens == 0 for b in adm.view(ask).backends)
 
     asyncio.run(check())
+
+
+def test_a_rebooked_ticket_holds_each_block_once_and_its_own_are_not_others() -> None:
+    """Booked on its bound's first blocks, then on its count's (admission/rebook.py): the
+    first blocks are not learnt and held again, the rest are, its own blocks are neither
+    counted as held by others nor as cached, and its release leaves nothing held."""
+    policy = parse_policy("""
+models:
+  - {name: m, architecture: llama-3-8b}
+pools:
+  p:
+    models: [m]
+    max_model_len: 8192
+    kv_blocks: 1000
+    backends:
+      - {name: a, url: "http://127.0.0.1:1"}
+""")
+    known, full = tuple(range(1, 61)), tuple(range(1, 101))
+
+    async def check() -> None:
+        for hold_first in (True, False):  # the bound's hold ran, or is still to run
+            metrics = GatewayMetrics()
+            adm = Admission(policy, Backends(policy, metrics), MemoryState(), metrics,
+                            EngineScraper(5.0))
+            bound = Ask("p", blocks=120, tokens=1900, prompt_tokens=1700, hashes=known,
+                        hash_block=16)
+            ticket = await adm.admit(bound)
+            if hold_first:
+                for _ in range(2):  # blocks are held two turns of the loop later
+                    await asyncio.sleep(0)
+                assert ticket.held == known
+            count = Ask("p", blocks=110, tokens=1800, prompt_tokens=1600, hashes=full,
+                        hash_block=16)
+            await adm.rebook(ticket, count)
+            for _ in range(2):
+                await asyncio.sleep(0)
+            index = adm.prefix.indexes.get("p", "a")
+            assert index is not None and list(ticket.held) == list(full)
+            assert index._held == dict.fromkeys(full, 1)  # each block once
+            assert index.held(full, own=len(full)) == 0 and index.held(full) == 100
+            # Its first blocks were learnt there by itself: not cached before it.
+            assert ticket.cached_tokens == 0
+            await adm.release(ticket)
+            assert index._held == {}
+            assert len(index) == 100  # learnt, in approximate mode
+
+    asyncio.run(check())

@@ -57,6 +57,7 @@ class Ticket:
     cached_tokens: int = 0  # of its prompt predicted in its backend's prefix cache
     tokens: int = 0  # counted in its backend's in-flight tokens until released
     held: Sequence[int] = ()  # its prompt blocks, held in its backend's prefix index till then
+    holding: Sequence[int] = ()  # the blocks a hold still to run learns and holds (prefixes.py)
     # Booked on a bound of its prompt and being booked again on its count (rebook.py):
     # its release waits for that.
     resizing: asyncio.Future[None] | None = None

@@ -44,8 +44,8 @@ async def rebook(adm: Books, ticket: Ticket, ask: Ask) -> None:
     if old is None or ticket.store is None:
         return  # admission disabled or the static rule: nothing was booked
     rule = adm.rules[ps.name]
-    adm.prefix.released(ticket)  # its own blocks are not "held by others" below
-    cached, shared = adm.prefix.at(ps, ask, name) if rule else (0, 0)
+    # Its own blocks are not "held by others".
+    cached, shared = adm.prefix.at(ps, ask, name, ticket) if rule else (0, 0)
     blocks = reservation_blocks(ask.blocks, adm.capacity.max_blocks(ps, name),
                                 ps.slot_blocks.get(name), shared)
     new = Lease(old.pool, name, f"{old.lease_id}r", blocks, ask.tokens, old.tenant)
@@ -80,4 +80,4 @@ async def rebook(adm: Books, ticket: Ticket, ask: Ask) -> None:
         ticket.prefill = prefill
     ticket.cached_tokens = cached
     if rule is not None:
-        adm.prefix.hold(ps, ask, ticket)  # every block of it, learnt and held there
+        adm.prefix.counted(ps, ask, ticket)  # every block of it, learnt and held there

@@ -118,9 +118,17 @@ class PrefixIndex:
             else:
                 held.pop(h, None)
 
-    def held(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of `hashes` requests in flight hold now."""
-        return _leading((self._held,), 0, hashes)
+    def held(self, hashes: Sequence[int], own: int = 0) -> int:
+        """How many leading blocks of `hashes` requests in flight hold now; with `own`, other
+        requests than one that holds the first `own` of them itself."""
+        if not own:
+            return _leading((self._held,), 0, hashes)
+        # Each request holds a prompt's leading blocks, so what others hold is a prefix too:
+        # of the request's own, those held twice; past them, those held at all.
+        shared = _leading((_Twice(self._held),), 0, hashes[:own])
+        if shared < own:
+            return shared
+        return own + _leading((self._held,), 0, hashes[own:])
 
     def store(self, hashes: Sequence[int], engine_hashes: Sequence[int] | None = None) -> int:
         """Hold `hashes` (a prompt's blocks in order, or an event's), most recent first block;
@@ -210,6 +218,18 @@ class PrefixIndex:
         else:
             self.evicted += dropped
         return dropped
+
+
+class _Twice:
+    """Blocks more than one request holds."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held: dict[int, int]) -> None:
+        self._held = held
+
+    def __contains__(self, block_hash: object) -> bool:
+        return isinstance(block_hash, int) and self._held.get(block_hash, 0) > 1
 
 
 def _leading(tables: Sequence[Container[int]], mask: int, hashes: Sequence[int]) -> int:
