@@ -204,7 +204,8 @@ class Pipeline:
         self.rt.tenants.check_model(caller.tenant, model.name)
         t = lap("parse", t)
         held = await self._held(parsed)
-        # Served requests may go on with a bound of a long new prompt (`count_behind_chars`).
+        # Served requests may go on with a bound of a long prompt with new text
+        # (`count_behind_chars`).
         prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0,
                                   self.rt.policy.server.count_behind_chars if timed else 0)
         t = lap("count", t)

@@ -159,7 +159,8 @@ class TokenCounter:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError.
         `caller`: whose turn a long prompt takes in the long lane; `block_size`: hash the
         prompt's blocks too (prefix routing); `behind_chars`: from this much new text, answer
-        at once with a bound and count behind (TokenCount.pending), where a bound is known."""
+        at once with a bound and count behind (TokenCount.pending), where a bound is known,
+        for a prompt this long with new text (in a worker from this much new text)."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer

@@ -140,12 +140,13 @@ class GatewayMetrics:
             "1 while the model's chat template (for requests without tools) is rendered in "
             "plain Python, 0 while by Jinja.",
             ["model"], registry=r, multiprocess_mode="livemin")
-        # Long new prompts (server.count_behind_chars): sent on a bound while counted, or the
-        # count waited for where the bound would have decided otherwise.
+        # Long prompts with new text (server.count_behind_chars): sent on a bound while
+        # counted, or the count waited for where the bound would have decided otherwise.
         self.counted_behind = Counter(
             "gateway_prompts_counted_behind_total",
-            "Long new prompts counted behind: sent upstream on a bound of their tokens "
-            "(`sent`), or held for the count where the bound decided otherwise (`waited`).",
+            "Long prompts with new text, counted behind: sent upstream on a bound of their "
+            "tokens (`sent`), or held for the count where the bound decided otherwise "
+            "(`waited`).",
             ["model", "outcome"], registry=r)
         # (generation, seconds, collected) of collections not yet observed; bounded, should
         # no tick come
