@@ -291,22 +291,27 @@ class Snapshot:
     proxy: float
     proxy_wait: float   # seconds the proxy's loop thread sat runnable but not running
     busy: float         # CPU seconds all CPUs spent busy, whoever used them
+    stolen: float       # CPU seconds the hypervisor ran something else on our virtual CPUs
 
 
-def _cpu_busy_s() -> float:
-    total = 0
+def _cpu_busy_s() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of every CPU so far: steal is counted busy too, and apart,
+    since a virtual CPU the hypervisor takes away for 10-20 ms stalls every stream on it (in
+    the kernel's 10 ms ticks: a window's steal says that it happened, roughly how much)."""
+    total = stolen = 0
     with open("/proc/stat") as f:
         for line in f:
             if line.startswith("cpu") and line[3].isdigit():
                 v = [int(x) for x in line.split()[1:9]]
                 total += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # not idle, not iowait
-    return total / CLK_TCK
+                stolen += v[7]
+    return total / CLK_TCK, stolen / CLK_TCK
 
 
 def snapshot(engine: Proc, proxy: Proc | None) -> Snapshot:
     return Snapshot(time.perf_counter(), time.process_time(), engine.cpu_s(),
                     proxy.cpu_s() if proxy else 0.0, proxy.run_queue_s() if proxy else 0.0,
-                    _cpu_busy_s())
+                    *_cpu_busy_s())
 
 
 @dataclass(frozen=True)
@@ -317,7 +322,8 @@ class Usage:
     engine: float
     proxy: float
     proxy_wait: float   # share of the window the proxy was ready to run and did not
-    other: float        # other processes (and interrupts not charged to ours)
+    other: float        # other processes (and interrupts not charged to ours), steal included
+    stolen_s: float = 0.0  # seconds the hypervisor took our CPUs (10 ms ticks)
 
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> Usage:
@@ -325,13 +331,15 @@ class Usage:
         client, engine, proxy = (b.client - a.client) / w, (b.engine - a.engine) / w, \
             (b.proxy - a.proxy) / w
         other = max(0.0, (b.busy - a.busy) / w - client - engine - proxy)
-        return cls(client, engine, proxy, (b.proxy_wait - a.proxy_wait) / w, other)
+        return cls(client, engine, proxy, (b.proxy_wait - a.proxy_wait) / w, other,
+                   b.stolen - a.stolen)
 
     def noisy(self, args: argparse.Namespace) -> bool:
         return bool(self.other > args.max_other or self.proxy_wait > args.max_wait)
 
     def show(self) -> str:
-        return f"other {f_pct(self.other)}, proxy waited {f_pct(self.proxy_wait)}"
+        return (f"other {f_pct(self.other)}, proxy waited {f_pct(self.proxy_wait)}, "
+                f"stolen {self.stolen_s * 1e3:.0f} ms")
 
 
 @dataclass
@@ -519,7 +527,7 @@ def f_pct(share: float) -> str:
 
 
 STALL_COLUMNS = ["target", "rep", "TTFT P50", "TTFT P99", "stall P99", "stall max", "proxy CPU",
-                 "client CPU", "other load", "client lag max", "gateway loop lag",
+                 "client CPU", "other load", "stolen ms", "client lag max", "gateway loop lag",
                  "gateway GC pauses"]
 
 
@@ -527,7 +535,8 @@ def stall_row(name: str, rep: int, r: TtftRun, proxied: bool) -> list[str]:
     """One run of parts C and D as a table row (the proxy's CPU only when there is one)."""
     return [name, str(rep), f_ms(r.p50), f_ms(r.p99), f_ms(r.excess_gap_p99),
             f_ms(r.excess_gap_max), f_pct(r.usage.proxy) if proxied else "",
-            f_pct(r.usage.client), f_pct(r.usage.other), f_ms(r.client_lag_max),
+            f_pct(r.usage.client), f_pct(r.usage.other), f"{r.usage.stolen_s * 1e3:.0f}",
+            f_ms(r.client_lag_max),
             "" if r.loop_lag is None else r.loop_lag.show(), r.gc]
 
 
@@ -643,10 +652,10 @@ async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> floa
     """
     start = time.monotonic()
     while True:
-        b0, o0 = _cpu_busy_s(), sum(p.cpu_s() for p in ours) + time.process_time()
+        b0, o0 = _cpu_busy_s()[0], sum(p.cpu_s() for p in ours) + time.process_time()
         await asyncio.sleep(0.5)
         o1 = sum(p.cpu_s() for p in ours) + time.process_time()
-        other = ((_cpu_busy_s() - b0) - (o1 - o0)) / 0.5
+        other = ((_cpu_busy_s()[0] - b0) - (o1 - o0)) / 0.5
         waited = time.monotonic() - start
         if other <= args.max_other or waited > args.quiet_wait_s:
             if waited > 1.0:
