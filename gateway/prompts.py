@@ -101,7 +101,7 @@ async def _chat(counter: TokenCounter, model: ModelSpec, messages: Sequence[Any]
     hash_block = (block_size or 0) if tc.hashes else 0
     if tc.pending is not None:
         return Prompt(tc.tokens, 1, True, tc.chars, tc.hashes, hash_block,
-                      pending=asyncio.ensure_future(_exact(tc, block_size or 0)),
+                      pending=_exact(tc, block_size or 0),
                       least=tc.least)
     if not images or model.vision is None:
         return Prompt(tc.tokens, 1, tc.exact and exact, tc.chars, tc.hashes, hash_block)
@@ -111,10 +111,29 @@ async def _chat(counter: TokenCounter, model: ModelSpec, messages: Sequence[Any]
                   tc.chars)
 
 
-async def _exact(tc: TokenCount, block_size: int) -> Prompt:
+def _exact(tc: TokenCount, block_size: int) -> asyncio.Future[Prompt]:
+    """The prompt as counted, when `tc.pending` lands: a future chained by callbacks, not a
+    task (a task's steps are loop turns, and this runs for every prompt counted behind).
+    Cancelling it cancels the count."""
     assert tc.pending is not None
-    tokens, hashes = await tc.pending
-    return Prompt(tokens, 1, True, tc.chars, hashes, block_size if hashes else 0)
+    counting = tc.pending
+    out: asyncio.Future[Prompt] = asyncio.get_running_loop().create_future()
+
+    def landed(f: asyncio.Future[tuple[int, Sequence[int]]]) -> None:
+        if out.done():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif (exc := f.exception()) is not None:
+            out.set_exception(exc)
+        else:
+            tokens, hashes = f.result()
+            out.set_result(Prompt(tokens, 1, True, tc.chars, hashes,
+                                  block_size if hashes else 0))
+
+    counting.add_done_callback(landed)
+    out.add_done_callback(lambda o: counting.cancel() if o.cancelled() else None)
+    return out
 
 
 def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
