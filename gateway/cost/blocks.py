@@ -27,7 +27,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from gateway.prefix.hashing import ROOT_HASH, block_hashes
 from gateway.prefix.index import table_count
@@ -79,24 +79,60 @@ def root_key(block_size: int) -> int:
     return hash(("blocks", block_size))
 
 
-class BlockChains:
-    """The trie, bounded LRU by nodes and by the block hashes they hold; thread-safe. Cut into
-    tables of at most SHARD_BLOCKS nodes by key, each aged out on its own, for the reason the
-    prefix index is (gateway/prefix/index.py: a whole-table rehash holds the loop, ~45 ms at
-    200,000 entries here)."""
+class HoldsBlocks(Protocol):
+    @property
+    def hashes(self) -> array[int]: ...
 
-    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES,
-                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
-        n = table_count(max_nodes, SHARD_BLOCKS)
+
+V = TypeVar("V", bound=HoldsBlocks)
+
+
+class BlockTables(Generic[V]):
+    """Key -> value, bounded LRU by entries and by the block hashes the values hold;
+    thread-safe. Cut into tables of at most SHARD_BLOCKS entries by key, each aged out on its
+    own, for the reason the prefix index is (gateway/prefix/index.py: a whole-table rehash
+    holds the loop, ~45 ms at 200,000 entries here). The block trie's nodes and the turns
+    memo's positions (turns.py) are kept so."""
+
+    def __init__(self, max_entries: int, max_blocks: int) -> None:
+        n = table_count(max_entries, SHARD_BLOCKS)
         self._mask = n - 1
-        self._max_nodes = -(-max_nodes // n)  # a table's share
+        self._max_entries = -(-max_entries // n)  # a table's share
         self._max_blocks = -(-max_blocks // n)
-        self._tables: list[OrderedDict[int, Node]] = [OrderedDict() for _ in range(n)]
+        self._tables: list[OrderedDict[int, V]] = [OrderedDict() for _ in range(n)]
         self._blocks = [0] * n  # block hashes held, per table
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return sum(map(len, self._tables))
+
+    def _put(self, key: int, value: V) -> None:
+        t = key & self._mask
+        table = self._tables[t]
+        with self._lock:
+            old = table.get(key)
+            if old is not None:
+                self._blocks[t] -= len(old.hashes)
+            table[key] = value
+            table.move_to_end(key)
+            self._blocks[t] += len(value.hashes)
+            while len(table) > self._max_entries or self._blocks[t] > self._max_blocks:
+                _, evicted = table.popitem(last=False)
+                self._blocks[t] -= len(evicted.hashes)
+
+    def clear(self) -> None:
+        with self._lock:
+            for table in self._tables:
+                table.clear()
+            self._blocks = [0] * len(self._tables)
+
+
+class BlockChains(BlockTables[Node]):
+    """The trie (see the module's docstring)."""
+
+    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        super().__init__(max_nodes, max_blocks)
 
     def walk(self, pieces: list[str], specials: dict[str, int], block_size: int,
              piece_ids: PieceIds, start: Start | None = None, learn: Learn | None = None
@@ -133,26 +169,6 @@ class BlockChains:
                     steps.append((step, found))
         return Walk(self, pieces, specials, block_size, piece_ids, at, key, node, done,
                     learn, steps)
-
-    def _put(self, key: int, node: Node) -> None:
-        t = key & self._mask
-        table = self._tables[t]
-        with self._lock:
-            old = table.get(key)
-            if old is not None:
-                self._blocks[t] -= len(old.hashes)
-            table[key] = node
-            table.move_to_end(key)
-            self._blocks[t] += len(node.hashes)
-            while len(table) > self._max_nodes or self._blocks[t] > self._max_blocks:
-                _, evicted = table.popitem(last=False)
-                self._blocks[t] -= len(evicted.hashes)
-
-    def clear(self) -> None:
-        with self._lock:
-            for table in self._tables:
-                table.clear()
-            self._blocks = [0] * len(self._tables)
 
 
 class Walk:

@@ -29,21 +29,27 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
-from gateway.cost.blocks import ROOT, BlockChains, Learn, Node, PieceIds, Start, Walk, root_key
+from gateway.cost.blocks import (
+    ROOT,
+    BlockChains,
+    BlockTables,
+    Learn,
+    Node,
+    PieceIds,
+    Start,
+    Walk,
+    root_key,
+)
 from gateway.cost.native import Settled
-from gateway.prefix.index import table_count
 
 DEFAULT_MAX_TURNS = 200_000
 DEFAULT_MAX_BLOCKS = 1_000_000
-SHARD_TURNS = 8_192  # positions in one LRU table at most
 
 
 class Turn:
@@ -156,22 +162,13 @@ def root_of(block_size: int, source: str, tools: Sequence[Any] | None,
     return hash(("turns", block_size, source, tools_text, arguments_text))
 
 
-class Turns:
+class Turns(BlockTables[Turn]):
     """Chain key -> `Turn`, bounded LRU by positions and by the block hashes they hold;
-    thread-safe. Cut into tables by key as the block trie is (blocks.py)."""
+    thread-safe."""
 
     def __init__(self, max_turns: int = DEFAULT_MAX_TURNS,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
-        n = table_count(max_turns, SHARD_TURNS)
-        self._mask = n - 1
-        self._max_turns = -(-max_turns // n)  # a table's share
-        self._max_blocks = -(-max_blocks // n)
-        self._tables: list[OrderedDict[int, Turn]] = [OrderedDict() for _ in range(n)]
-        self._blocks = [0] * n
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return sum(map(len, self._tables))
+        super().__init__(max_turns, max_blocks)
 
     def find(self, root: int, messages: Sequence[Any], settled: Settled
              ) -> tuple[int, int, Turn | None, int]:
@@ -211,26 +208,6 @@ class Turns:
                 table.move_to_end(key)
                 chain, turn, known = key, found, known + 1
         return known, chain, turn, known + _settled_from(messages, known, unsettled, last_query)
-
-    def _put(self, key: int, turn: Turn) -> None:
-        t = key & self._mask
-        table = self._tables[t]
-        with self._lock:
-            old = table.get(key)
-            if old is not None:
-                self._blocks[t] -= len(old.hashes)
-            table[key] = turn
-            table.move_to_end(key)
-            self._blocks[t] += len(turn.hashes)
-            while len(table) > self._max_turns or self._blocks[t] > self._max_blocks:
-                _, evicted = table.popitem(last=False)
-                self._blocks[t] -= len(evicted.hashes)
-
-    def clear(self) -> None:
-        with self._lock:
-            for table in self._tables:
-                table.clear()
-            self._blocks = [0] * len(self._tables)
 
 
 def settled_count(messages: Sequence[Any], settled: Settled) -> int:
