@@ -237,7 +237,8 @@ class Admission:
         refused: dict[str, str] = {}
         view = self.view(ask)
         d = decide(view, _ask_view(ask))
-        if view.prefix is not None and not view.prefix.act and d.backend is not None:
+        if view.prefix is not None and not view.prefix.act and d.backend is not None \
+                and (settle or d.action == "admit"):  # else `admit` counts it, once
             self.prefix.shadow(view, ask, d.backend)
         while d.action == "admit":
             ticket, reason = await self._act(ps, ask, d, view)

@@ -158,9 +158,9 @@ class TokenCounter:
     ) -> TokenCount:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError.
         `caller`: whose turn a long prompt takes in the long lane; `block_size`: hash the
-        prompt's blocks too (prefix routing); `behind_chars`: from this much new text, answer
-        at once with a bound and count behind (TokenCount.pending), where a bound is known,
-        for a prompt this long with new text (in a worker from this much new text)."""
+        prompt's blocks too (prefix routing); `behind_chars`: a prompt this long with new text
+        is answered at once with a bound and counted behind (TokenCount.pending), where a
+        bound is known: in a worker from this much new text, else on the loop's next turn."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
