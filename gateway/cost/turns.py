@@ -175,12 +175,9 @@ class Turns(BlockTables[Turn]):
         """How many leading messages are known (settled, and seen in this order after the same
         root), the chain's key after them, their position (None: none are known) and how many
         leading messages are settled."""
-        last_query = len(messages)
-        if settled.last_query is not None:
-            try:
-                last_query = settled.last_query(messages)
-            except Exception:  # outside the render's domain: nothing is settled
-                return 0, root, None, 0
+        last_query = _last_query(messages, settled)
+        if last_query is None:
+            return 0, root, None, 0
         unsettled = settled.unsettled
         chain, turn, known = root, None, 0
         tables, mask = self._tables, self._mask
@@ -212,13 +209,20 @@ class Turns(BlockTables[Turn]):
 
 def settled_count(messages: Sequence[Any], settled: Settled) -> int:
     """How many leading messages the template writes the same whatever follows them."""
-    last_query = len(messages)
-    if settled.last_query is not None:
-        try:
-            last_query = settled.last_query(messages)
-        except Exception:  # outside the render's domain: nothing is settled
-            return 0
-    return _settled_from(messages, 0, settled.unsettled, last_query)
+    last_query = _last_query(messages, settled)
+    return 0 if last_query is None else _settled_from(messages, 0, settled.unsettled,
+                                                      last_query)
+
+
+def _last_query(messages: Sequence[Any], settled: Settled) -> int | None:
+    """The index after which an assistant turn is not settled (past the end where none is);
+    None for messages outside the render's domain, where nothing is settled."""
+    if settled.last_query is None:
+        return len(messages)
+    try:
+        return settled.last_query(messages)
+    except Exception:
+        return None
 
 
 def _settled_from(messages: Sequence[Any], start: int, unsettled: frozenset[str],
@@ -297,6 +301,5 @@ __all__ = [
     "Turns",
     "first_characters",
     "message_key",
-    "root_key",
     "root_of",
 ]
