@@ -21,7 +21,7 @@ from gateway.admission.controller import Admission, Ask
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
 from gateway.backends import Backends
 from gateway.observe.metrics import GatewayMetrics
-from gateway.policy import parse_policy
+from gateway.policy import Policy, parse_policy
 from gateway.prefix import IndexMode
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order
 from gateway.signals.engines import EngineScraper
@@ -458,10 +458,9 @@ def test_a_cached_backend_over_its_prefill_backlog_takes_the_request_if_sooner()
     assert place(pool([other, b]), ASK).backend == "b"
 
 
-def test_precise_mode_counts_blocks_of_requests_in_flight_as_cached() -> None:
-    """The engine's events name a block once computed; a follow-up sent while the first
-    request still prefills is scheduled after it and hits: it is predicted so."""
-    policy = parse_policy("""
+def _pool_p(rest: str) -> Policy:
+    """One pool `p` of model `m` (1,000 KV blocks) and `rest` of the pool's keys."""
+    return parse_policy("""
 models:
   - {name: m, architecture: llama-3-8b}
 pools:
@@ -469,7 +468,13 @@ pools:
     models: [m]
     max_model_len: 8192
     kv_blocks: 1000
-    routing: {prefix: {mode: precise}}
+""" + rest)
+
+
+def test_precise_mode_counts_blocks_of_requests_in_flight_as_cached() -> None:
+    """The engine's events name a block once computed; a follow-up sent while the first
+    request still prefills is scheduled after it and hits: it is predicted so."""
+    policy = _pool_p("""    routing: {prefix: {mode: precise}}
     backends:
       - {name: a, url: "http://127.0.0.1:1", kv_events: {endpoint: "tcp://127.0.0.1:2"}}
       - {name: b, url: "http://127.0.0.1:3", kv_events: {endpoint: "tcp://127.0.0.1:4"}}
@@ -509,15 +514,7 @@ def test_a_rebooked_ticket_holds_each_block_once_and_its_own_are_not_others() ->
     """Booked on its bound's first blocks, then on its count's (admission/rebook.py): the
     first blocks are not learnt and held again, the rest are, its own blocks are neither
     counted as held by others nor as cached, and its release leaves nothing held."""
-    policy = parse_policy("""
-models:
-  - {name: m, architecture: llama-3-8b}
-pools:
-  p:
-    models: [m]
-    max_model_len: 8192
-    kv_blocks: 1000
-    backends:
+    policy = _pool_p("""    backends:
       - {name: a, url: "http://127.0.0.1:1"}
 """)
     known, full = tuple(range(1, 61)), tuple(range(1, 101))
