@@ -99,8 +99,8 @@ def server(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0
 
 
 def qwen_tokenizer_dir() -> str:
-    out = subprocess.run([str(BIN / "python"), "-c", "from gateway.cost.tokenizer import "
-                          "builtin_qwen_dir; print(builtin_qwen_dir())"],
+    out = subprocess.run([str(BIN / "python"), "-c", "from gateway.cost.loading import "
+                          "builtin_qwen3_dir; print(builtin_qwen3_dir())"],
                          check=True, capture_output=True, text=True, cwd=ROOT)
     return out.stdout.strip()
 

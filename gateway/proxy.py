@@ -17,9 +17,7 @@ relays >20x the chunks/s per core.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
@@ -27,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 from starlette.types import Send
 
+from gateway import engine_errors as errs
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.http1 import EnginePool, Response, Target, target_of
-from gateway.protocol import error_body, error_type, retry_headers, sse_error_frame
+from gateway.protocol import error_body, sse_error_frame
 from gateway.records import record
 from gateway.routing import Router
 from gateway.serving.heap import forget
@@ -191,12 +189,12 @@ class Forwarder:
                         f"The engine `{backend.name}` {_redirected(backend, resp)}.",
                         "server_error", None, "upstream_error"), "application/json"
                 if resp.status >= 400:  # one error shape, whoever refused
-                    return resp.status, _engine_error(resp.status, answer, backend.name), \
+                    return resp.status, errs.engine_error(resp.status, answer, backend.name), \
                         "application/json"
                 return resp.status, answer, resp.headers.get("content-type", "application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("engine %s/%s: %s", backend.pool, backend.name, _describe(exc))
-            public = _public(exc)
+            log.warning("engine %s/%s: %s", backend.pool, backend.name, errs.describe(exc))
+            public = errs.public(exc)
             forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` could not answer "
                                 f"({public}).", backend=backend.name) from None
@@ -229,8 +227,8 @@ class Forwarder:
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
             # Refused, unreachable, or a keep-alive connection the engine had closed: the
             # engine did not start on this request, so another backend may take it.
-            self.backends.record_failure(backend, "connect", _describe(exc))
-            public = _public(exc)
+            self.backends.record_failure(backend, "connect", errs.describe(exc))
+            public = errs.public(exc)
             forget(exc)
             return None, public
         except TimeoutError as exc:
@@ -240,8 +238,8 @@ class Forwarder:
         except aiohttp.ClientError as exc:
             # Reset or broken once the request was sent, before any answer (an engine killed
             # on it): it may have started there, so no other backend is given it.
-            self.backends.record_failure(backend, "disconnect", _describe(exc))
-            public = _public(exc)
+            self.backends.record_failure(backend, "disconnect", errs.describe(exc))
+            public = errs.public(exc)
             forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` broke off before answering "
                                 f"({public}).", backend=backend.name) from None
@@ -264,7 +262,7 @@ class Forwarder:
             self.backends.record_failure(backend, "status_5xx", f"HTTP {resp.status}")
             # The engine's own message stays in the log: it may carry its internals.
             log.warning("engine %s/%s answered HTTP %d: %s", backend.pool, backend.name,
-                        resp.status, _error_message(body))
+                        resp.status, errs.error_message(body))
             raise UpstreamError(
                 f"The engine `{backend.name}` failed with HTTP {resp.status}.",
                 backend=backend.name)
@@ -278,8 +276,8 @@ class Forwarder:
             elif not 200 <= resp.status < 300:
                 # The engine's refusal in the gateway's shape: its status and message kept,
                 # OpenAI's `type` and a string `code` instead of vLLM's (BadRequestError, 400).
-                body = _engine_error(resp.status, body, backend.name)
-                _engine_error_headers(resp.status, ex.upstream_headers)
+                body = errs.engine_error(resp.status, body, backend.name)
+                errs.engine_error_headers(resp.status, ex.upstream_headers)
             ex.first_byte = ex.finished = self.loop.time()
             if up.on_first_byte is not None:
                 up.on_first_byte()
@@ -293,8 +291,8 @@ class Forwarder:
             return await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-            self.backends.record_failure(backend, kind, _describe(exc))
-            public = _public(exc)
+            self.backends.record_failure(backend, kind, errs.describe(exc))
+            public = errs.public(exc)
             forget(exc)
             raise UpstreamError(f"The engine `{backend.name}` broke off its answer "
                                 f"({public}).", backend=backend.name) from None
@@ -348,19 +346,19 @@ class Forwarder:
                         if not chunk:
                             continue
                 if b'{"error"' in chunk:  # an engine's error event: OpenAI's shape too
-                    chunk = _openai_error_events(chunk)
+                    chunk = errs.openai_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-            self.backends.record_failure(backend, kind, _describe(exc))
-            ex.error = f"upstream {kind}: {_describe(exc)}"
+            self.backends.record_failure(backend, kind, errs.describe(exc))
+            ex.error = f"upstream {kind}: {errs.describe(exc)}"
             ex.status = 502
             forget(exc)
             resp.close()  # do not return a half-read connection to the pool
             await send({"type": "http.response.body", "more_body": False,
                         "body": sse_error_frame(
                             f"The engine `{backend.name}` broke off the stream "
-                            f"({_public(exc)}).")})
+                            f"({errs.public(exc)}).")})
         else:
             self.backends.record_success(backend)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -396,108 +394,6 @@ def _without_usage_frame(chunk: bytes) -> bytes:
     return b"\n\n".join(kept) if len(kept) != len(frames) else chunk
 
 
-def _engine_error(status: int, body: bytes, backend: str) -> bytes:
-    """An engine's non-2xx body as OpenAI's error body. vLLM and SGLang answer
-    `{"error": {"message", "type": "BadRequestError", "param", "code": 400}}` (older releases:
-    the same fields at the top level, with "object": "error"); their FastAPI routes answer
-    `{"detail": ...}`; anything else is text. The message and param are kept."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
-    if isinstance(data, dict):
-        inner = data.get("error")
-        if isinstance(inner, dict):
-            return _openai_error(inner, status)
-        if isinstance(data.get("message"), str):
-            return _openai_error(data, status)
-        detail = inner if isinstance(inner, str) else data.get("detail")
-        if detail is not None:
-            text = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
-            return error_body(text[:1000], error_type(status))
-    text = body[:1000].decode("utf-8", "replace").strip()
-    return error_body(text or f"The engine `{backend}` answered HTTP {status}.",
-                      error_type(status))
-
-
-def _openai_error(err: dict[str, object], status: int) -> bytes:
-    message = err.get("message")
-    param = err.get("param")
-    code = err.get("code")  # vLLM's is the HTTP status, an integer: not OpenAI's kind of code
-    return error_body(message if isinstance(message, str) else "The engine refused the request.",
-                      error_type(status), param if isinstance(param, str) else None,
-                      code if isinstance(code, str) else None)
-
-
-def _engine_error_headers(status: int, headers: dict[str, str]) -> None:
-    """The body is re-rendered JSON; an engine's 429/503 with a Retry-After in seconds gets
-    retry-after-ms and x-should-retry beside it, as the gateway's own refusals do."""
-    headers["content-type"] = "application/json"
-    if status not in (429, 503) or "retry-after" not in headers:
-        return
-    try:
-        seconds = float(headers["retry-after"])
-    except ValueError:
-        return  # an HTTP date: passed on as it is
-    if math.isfinite(seconds) and seconds >= 0:
-        headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
-
-
-def _openai_error_events(chunk: bytes) -> bytes:
-    """Error events in a stream (vLLM: `data: {"error": {..., "code": 400}}`) in OpenAI's
-    shape; every other event untouched. A mid-stream error's status is the engine's integer
-    code where it gives one. An event split across two reads passes as it came, as the usage
-    frame's stripping does: engines write an error event in one piece, and it is small."""
-    events = chunk.split(b"\n\n")
-    changed = False
-    for i, event in enumerate(events):
-        if b'{"error"' not in event:
-            continue
-        lines = event.split(b"\n")
-        for j, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                data = orjson.loads(line[5:])
-            except orjson.JSONDecodeError:
-                continue
-            err = data.get("error") if isinstance(data, dict) else None
-            if isinstance(err, dict):
-                code = err.get("code")
-                status = code if isinstance(code, int) and 400 <= code <= 599 else 500
-                lines[j] = b"data: " + _openai_error(err, status)
-                changed = True
-        events[i] = b"\n".join(lines)
-    return b"\n\n".join(events) if changed else chunk
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        data = orjson.loads(body)
-        msg = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        if isinstance(msg, str):
-            return msg[:500]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return body[:200].decode("utf-8", "replace") or "(empty body)"
-
-
-def _public(exc: BaseException) -> str:
-    """What went wrong, in words that name no address and carry no exception text: the
-    caller sees these; the details go to the log and /admin/state."""
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the engine closed the connection"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connection refused or unreachable"
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return "the answer was cut off"
-    if isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET:
-        return "the engine reset the connection"
-    return "connection error"
-
-
 def _redirected(backend: Backend, resp: Answer) -> str:
     """An engine's 3xx, not followed: the gateway talks to the engines its policy names and no
     one else (a 301 would also turn the POST into a GET). Its target, the URL to fix, goes to
@@ -506,11 +402,6 @@ def _redirected(backend: Backend, resp: Answer) -> str:
                 "backend's url to where the engine answers", backend.pool, backend.name,
                 resp.status, resp.headers.get("location", "nowhere"))
     return f"answered a redirect (HTTP {resp.status}), which is not followed"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 __all__ = ["ClientGone", "Forwarder", "Relay", "Send", "Upstream"]

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from gateway.cost.blocks import BlockChains
-from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
+from gateway.cost.loading import load_tokenizer
+from gateway.cost.tokenizer import HFTokenizer
 from gateway.prefix.hashing import block_hashes
 
 

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from gateway.cost import HFTokenizer, TemplateError, TokenizerError, load_tokenizer
+from gateway.cost.loading import builtin_qwen3_dir
 from gateway.cost.templates import (
     BUILTIN_TEMPLATES,
     load_chat_template,
     openai_messages,
     request_template_kwargs,
 )
-from gateway.cost.tokenizer import builtin_qwen3_dir
 from gateway.errors import InvalidRequest
 from gateway.policy import PolicyError, parse_policy
 from gateway.protocol import template_kwargs

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.cost.tokenizer import HFTokenizer, load_tokenizer
+from gateway.cost.loading import load_tokenizer
+from gateway.cost.tokenizer import HFTokenizer
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import http, metric, openai_client, poll_metric, quiet, scrape
 

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 import uvloop
 
+from gateway.engine_errors import public
 from gateway.http1 import HIGH_WATER, EnginePool, Response, Target, target_of
-from gateway.proxy import _public
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -186,7 +186,7 @@ def test_refused_connect() -> None:
         p = pool()
         with pytest.raises(aiohttp.ClientConnectorError) as err:
             await p.post(target(port), "r", b"{}")
-        assert _public(err.value) == "connection refused or unreachable"
+        assert public(err.value) == "connection refused or unreachable"
         assert f"127.0.0.1:{port}" in str(err.value)
         await p.close()
     run(main())
@@ -207,12 +207,12 @@ def test_closed_before_answering_and_reset() -> None:
             p = pool()
             with pytest.raises(aiohttp.ServerDisconnectedError) as err:
                 await p.post(target(port), "r", b"{}")
-            assert _public(err.value) == "the engine closed the connection"
+            assert public(err.value) == "the engine closed the connection"
         async with engine(reset) as (port, _):
             with pytest.raises(aiohttp.ClientOSError) as os_err:
                 await p.post(target(port), "r", b"{}")
             assert not isinstance(os_err.value, aiohttp.ServerDisconnectedError)
-            assert _public(os_err.value) == "the engine reset the connection"
+            assert public(os_err.value) == "the engine reset the connection"
         await p.close()
     run(main())
 
@@ -225,7 +225,7 @@ def test_cut_body_and_malformed_answer() -> None:
             resp = await p.post(target(port), "r", b"{}")
             with pytest.raises(aiohttp.ClientPayloadError) as err:
                 await resp.read()
-            assert _public(err.value) == "the answer was cut off"
+            assert public(err.value) == "the answer was cut off"
         async with engine(replies(b"NOT HTTP AT ALL\r\n\r\n")) as (port, _):
             with pytest.raises(aiohttp.ClientError):
                 await p.post(target(port), "r", b"{}")

@@ -16,7 +16,7 @@ PACKAGE = ROOT / "gateway"
 # Imports inside functions that are there for a reason other than a cycle, and why.
 DEFERRED_OK = {
     ("gateway.state", "gateway.state.redis"): "redis-py is loaded only when a Redis URL is given",
-    ("gateway.cost.tokenizer", "gateway.cost.hub"): "only hub ids pay for huggingface_hub",
+    ("gateway.cost.loading", "gateway.cost.hub"): "only hub ids pay for huggingface_hub",
 }
 # Plain-code layers that decide: they must not import the HTTP side.
 DECISIONS = ("gateway.routing", "gateway.admission", "gateway.quotas", "gateway.auth",

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.cost.tokenizer import load_tokenizer
+from gateway.cost.loading import load_tokenizer
 from gateway.cost.traces import TraceRequest
 from gateway.policy.loader import parse_policy
 from loadtest.calibrate import StateSample, learned_values, rewrite_policy, state_summary

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from gateway.cost import HFTokenizer, TemplateError, load_tokenizer, openai_messages
 from gateway.cost import native as native_mod
+from gateway.cost.loading import builtin_qwen3_dir, load_from_files
 from gateway.cost.native import KNOWN, NativeTemplate, native_template
 from gateway.cost.templates import (
     compile_template,
@@ -27,7 +28,6 @@ from gateway.cost.templates import (
     render,
     template_variables,
 )
-from gateway.cost.tokenizer import builtin_qwen3_dir, load_from_files
 from gateway.policy import PolicyError, parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import openai_client, poll_metric, settled

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from gateway.cost import TokenCounter, rankbpe
 from gateway.cost.counter import RANK_INLINE_FACTOR
+from gateway.cost.loading import builtin_qwen3_dir, load_tokenizer
 from gateway.cost.rankbpe import CANARY_EVERY
-from gateway.cost.tokenizer import HFTokenizer, builtin_qwen3_dir, load_tokenizer
+from gateway.cost.tokenizer import HFTokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml

@@ -21,8 +21,8 @@ from gateway.cost import (
     load_tokenizer,
     openai_messages,
 )
+from gateway.cost.loading import builtin_qwen3_dir
 from gateway.cost.pieces import TABLE_CHARS, PieceCache
-from gateway.cost.tokenizer import builtin_qwen3_dir
 
 transformers = pytest.importorskip("transformers")
 

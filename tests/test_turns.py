@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.cost import openai_messages
+from gateway.cost.loading import builtin_qwen3_dir, load_from_files
 from gateway.cost.native import Settled
-from gateway.cost.tokenizer import HFTokenizer, builtin_qwen3_dir, load_from_files
+from gateway.cost.tokenizer import HFTokenizer
 from gateway.cost.turns import Resumed, Turns, message_key, settled_count
 from gateway.prefix.hashing import block_hashes
 

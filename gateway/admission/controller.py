@@ -4,7 +4,8 @@ A request brings a KV reservation (prompt + expected output, in blocks) and toke
 each request the controller takes a snapshot of its pool (`view`), asks the pure decision
 function (gateway/admission/decision.py) what to do, and does it: reserves on the chosen
 backend, queues (gateway/admission/waiting.py) or raises the refusal. `/gateway/estimate`
-asks the same function about the same snapshot (`preview`), and reserves nothing.
+asks the same function about the same snapshot (`preview`, answered by preview.py), and
+reserves nothing.
 
 What each backend can take is gateway/admission/capacity.py's; the once-a-second work (drain
 rates, the latency guard, the shared state) is gateway/admission/ticker.py's.
@@ -31,7 +32,6 @@ from gateway.admission.decision import (
     BackendView,
     Decision,
     PoolView,
-    blocks_on,
     decide,
     place,
     reservation_blocks,
@@ -39,6 +39,7 @@ from gateway.admission.decision import (
 from gateway.admission.guard import LatencyGuard
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.prefixes import PrefixPlacement, rule_of
+from gateway.admission.preview import explain
 from gateway.admission.queue import FairQueue
 from gateway.admission.rebook import rebook
 from gateway.admission.thresholds import thresholds_for
@@ -47,7 +48,6 @@ from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUn
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 from gateway.prefix import PrefixIndexes
-from gateway.routing import prefix_costs
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, StreamProgress
@@ -172,47 +172,8 @@ class Admission:
         """What `admit` would decide now, and the numbers it would decide on; reserves nothing."""
         ps = self.pools[ask.pool]
         view = self.view(ask)
-        d = decide(view, _ask_view(ask))
-        now = self.clock()
-        backends: dict[str, object] = {}
-        costs = prefix_costs(view.backends, view.prefix, ask.prompt_tokens) \
-            if view.prefix is not None else [None] * len(view.backends)
-        for b, bv, cost in zip(self.backends.pools[ps.name], view.backends, costs,
-                               strict=True):
-            sample = self.scraper.fresh(ps.name, b.name)
-            backends[b.name] = {
-                "available": bv.available, "capacity_blocks": ps.capacity[b.name],
-                "limit_blocks": bv.limit_blocks, "reserved_blocks": bv.reserved_blocks,
-                "prefill_pending_tokens": ps.prefill.get(b.name, 0),
-                "engine": None if sample is None else sample.public(now),
-                "slot_blocks": bv.slot_blocks,
-                "engine_rules_out": self.capacity.engine_full(ps, b.name),
-                "rules_out": bv.ruled_out,
-                "prefix": None if view.prefix is None else {
-                    "cached_tokens": bv.cached_tokens, "shared_blocks": bv.shared_blocks,
-                    "inflight_tokens": bv.inflight_tokens, "session": bv.affinity,
-                    "cost_tokens": None if cost is None else round(cost)}}
-        out: dict[str, object] = {
-            "decision": d.action, "reason": d.reason, "backend": d.backend, "mode": view.mode,
-            "predicted_wait_s": None if (d.enforced or d).action == "admit"
-            else view.predicted_wait_s,
-            "deadline_s": view.deadline_s,
-            "pool": {"reserved_tokens": ps.reserved_tokens,
-                     "guard_limit_tokens": ps.guard.limit, "token_limit": view.token_limit,
-                     "guard_state": ps.guard.state, "queue_depth": len(ps.queue),
-                     "drain_rate_tokens_s": ps.drain_rate,
-                     "ttft_p99_s": ps.ttft.quantile(0.99), "tpot_p99_s": ps.tpot.quantile(0.99)},
-            "tenant": {"held_blocks": view.tenant_held, "max_blocks": view.tenant_max},
-            "thresholds": ps.thresholds.as_dict(),
-            "backends": backends,
-        }
-        if d.enforced is not None:
-            out["shadow"] = {"decision": d.enforced.action, "reason": d.enforced.reason}
-        # At the backend chosen: what x-gateway-cached-tokens would say, and what is reserved.
-        chosen = next((bv for bv in view.backends if bv.name == d.backend), None)
-        out["cached_tokens"] = chosen.cached_tokens if chosen is not None else 0
-        out["reserve_blocks"] = blocks_on(chosen, ask.blocks) if chosen is not None else None
-        return out
+        return explain(ps, view, decide(view, _ask_view(ask)), ask,
+                       self.backends.pools[ps.name], self.scraper, self.capacity, self.clock())
 
     def rebook(self, ticket: Ticket, ask: Ask) -> asyncio.Future[None]:
         """Book `ticket` again on `ask`, its prompt counted (gateway/admission/rebook.py)."""

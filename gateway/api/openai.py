@@ -24,7 +24,8 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.api.errors import http_error
 from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
-from gateway.pipeline import Inbound, Pipeline
+from gateway.inbound import Inbound
+from gateway.pipeline import Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of

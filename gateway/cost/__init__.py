@@ -19,8 +19,9 @@ from gateway.cost.errors import (
     TokenizerError,
 )
 from gateway.cost.estimator import CharRatioEstimator, chat_chars
+from gateway.cost.loading import load_tokenizer
 from gateway.cost.templates import openai_messages
-from gateway.cost.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.cost.traces import TraceError, TraceRequest, read_trace
 from gateway.cost.work import CostModel, OutputLengthModel, RequestCost, estimate
 

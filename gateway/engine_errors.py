@@ -1,0 +1,124 @@
+"""What an engine's failure reads as, to the caller and to the log (gateway/proxy.py's side).
+
+Engines answer errors in their own shapes (vLLM's and SGLang's `{"error": {...}}`, FastAPI's
+`{"detail": ...}`, plain text, mid-stream error events); callers get OpenAI's. Connection
+failures are put in words that name no address and carry no exception text (`public`); the
+details go to the log and /admin/state (`describe`).
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+
+import aiohttp
+import orjson
+
+from gateway.protocol import error_body, error_type, retry_headers
+
+
+def engine_error(status: int, body: bytes, backend: str) -> bytes:
+    """An engine's non-2xx body as OpenAI's error body. vLLM and SGLang answer
+    `{"error": {"message", "type": "BadRequestError", "param", "code": 400}}` (older releases:
+    the same fields at the top level, with "object": "error"); their FastAPI routes answer
+    `{"detail": ...}`; anything else is text. The message and param are kept."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict):
+            return openai_error(inner, status)
+        if isinstance(data.get("message"), str):
+            return openai_error(data, status)
+        detail = inner if isinstance(inner, str) else data.get("detail")
+        if detail is not None:
+            text = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+            return error_body(text[:1000], error_type(status))
+    text = body[:1000].decode("utf-8", "replace").strip()
+    return error_body(text or f"The engine `{backend}` answered HTTP {status}.",
+                      error_type(status))
+
+
+def openai_error(err: dict[str, object], status: int) -> bytes:
+    message = err.get("message")
+    param = err.get("param")
+    code = err.get("code")  # vLLM's is the HTTP status, an integer: not OpenAI's kind of code
+    return error_body(message if isinstance(message, str) else "The engine refused the request.",
+                      error_type(status), param if isinstance(param, str) else None,
+                      code if isinstance(code, str) else None)
+
+
+def engine_error_headers(status: int, headers: dict[str, str]) -> None:
+    """The body is re-rendered JSON; an engine's 429/503 with a Retry-After in seconds gets
+    retry-after-ms and x-should-retry beside it, as the gateway's own refusals do."""
+    headers["content-type"] = "application/json"
+    if status not in (429, 503) or "retry-after" not in headers:
+        return
+    try:
+        seconds = float(headers["retry-after"])
+    except ValueError:
+        return  # an HTTP date: passed on as it is
+    if math.isfinite(seconds) and seconds >= 0:
+        headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
+
+
+def openai_error_events(chunk: bytes) -> bytes:
+    """Error events in a stream (vLLM: `data: {"error": {..., "code": 400}}`) in OpenAI's
+    shape; every other event untouched. A mid-stream error's status is the engine's integer
+    code where it gives one. An event split across two reads passes as it came, as the usage
+    frame's stripping does: engines write an error event in one piece, and it is small."""
+    events = chunk.split(b"\n\n")
+    changed = False
+    for i, event in enumerate(events):
+        if b'{"error"' not in event:
+            continue
+        lines = event.split(b"\n")
+        for j, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                data = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            err = data.get("error") if isinstance(data, dict) else None
+            if isinstance(err, dict):
+                code = err.get("code")
+                status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+                lines[j] = b"data: " + openai_error(err, status)
+                changed = True
+        events[i] = b"\n".join(lines)
+    return b"\n\n".join(events) if changed else chunk
+
+
+def error_message(body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+        msg = data.get("error", {}).get("message") if isinstance(data, dict) else None
+        if isinstance(msg, str):
+            return msg[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace") or "(empty body)"
+
+
+def public(exc: BaseException) -> str:
+    """What went wrong, in words that name no address and carry no exception text: the
+    caller sees these; the details go to the log and /admin/state."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the engine closed the connection"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection refused or unreachable"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    if isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET:
+        return "the engine reset the connection"
+    return "connection error"
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
