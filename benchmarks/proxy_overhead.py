@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import pipeline_probe  # noqa: E402
+from benchmarks.stall_site import stall_tracer  # noqa: E402
 from loadtest.client import (  # noqa: E402  (after the path fix, so it runs from a checkout)
     LoopLagProbe,
     RequestSpec,
@@ -356,6 +357,8 @@ class TtftRun:
     loop_lag: HistDelta | None
     gc: str
     gc_full: HistDelta | None = None   # generation-2 pauses (the gateway's metric)
+    # (when the stall began, its excess) of each stream stalled over stall_tracer.NOTE_S
+    stalls: list[tuple[float, float]] = field(default_factory=list)
     attempts: int = 1
 
 
@@ -473,10 +476,13 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
     lag_delta, gc_note = gateway_figures(t, before, after)
     ttfts = run.ttfts()
     gaps = excess_gaps(run, itl_ms / 1e3)
+    itl_s = itl_ms / 1e3
+    stalls = [(r.max_gap_at_s, r.max_gap_s - itl_s) for r in run.results
+              if r.ok and r.ttft_s is not None and r.max_gap_s - itl_s > stall_tracer.NOTE_S]
     return TtftRun(t.name, percentile(ttfts, 50), percentile(ttfts, 99), len(ttfts),
                    len(run.failed()), percentile(gaps, 99), max(gaps, default=math.nan),
                    usage, lag.max_s, lag_delta, gc_note,
-                   gc_delta(before, after, "2") if t.metrics else None)
+                   gc_delta(before, after, "2") if t.metrics else None, stalls=stalls)
 
 
 async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, stream_s: float,
@@ -652,6 +658,8 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   out: Report,
                   start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
                   | None = None) -> None:
+    if args.trace_stalls:
+        stall_tracer.beat(asyncio.get_running_loop())
     if "A" in args.parts:
         await part_a(args, targets, engine, out)
     if "B" in args.parts:
@@ -863,6 +871,9 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
             print(f"  stall rep {rep} {t.name:<10} stall p99 {f_ms(r.excess_gap_p99)} max "
                   f"{f_ms(r.excess_gap_max)} ttft p99 {f_ms(r.p99)} {r.usage.show()}",
                   flush=True)
+            if args.trace_stalls:
+                for line in stall_tracer.explain(str(args.trace_stalls), r.stalls):
+                    out(f"  traced, rep {rep} {t.name}: {line}")
             proxied = t.proc is not None
             rows.append(stall_row(t.name, rep, r, proxied))
     out.table(STALL_COLUMNS, rows)
@@ -999,6 +1010,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--gateway", default=str(BIN / "gateway"), help="the gateway executable")
     p.add_argument("--write", type=Path, help="write results into this markdown file")
+    p.add_argument("--trace-stalls", type=Path, metavar="DIR",
+                   help="trace every process's GC pauses and loop lateness into DIR and, in "
+                        "part C, print beside each burst of stalls what they were doing "
+                        "(benchmarks/stall_site/stall_tracer.py; tracing costs CPU: figures "
+                        "come from untraced runs)")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.ttft_s, args.sat_window_s = 1, 2.0, 1.5
@@ -1040,6 +1056,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_words:  # distinct words: roughly 1.5-2 tokens each with this vocabulary
         PROMPT[0] = " ".join(f"w{i} item" for i in range(args.prompt_words // 2))
     HISTORY[0] = args.history
+    if args.trace_stalls:  # before any server starts: they inherit it
+        args.trace_stalls.mkdir(parents=True, exist_ok=True)
+        os.environ[stall_tracer.ENV] = str(args.trace_stalls)
+        site = str(ROOT / "benchmarks" / "stall_site")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [site, *filter(None, [os.environ.get("PYTHONPATH")])])
+        stall_tracer.start("client")
     context = [*machine_context(), cold_code_probe(proxy_cpu)]
     py = sys.executable
     started = time.time()

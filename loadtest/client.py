@@ -99,6 +99,9 @@ class RequestResult:
     error: str | None
     retry_after_s: float | None     # from Retry-After on a 429 or 503
     queue_ms: float | None          # the gateway's x-gateway-queue-ms header
+    # When the longest gap began, on time.perf_counter()'s clock (one clock for every process
+    # on Linux: benchmarks/stall_site/stall_tracer.py lays stalls beside other processes' GC)
+    max_gap_at_s: float = math.nan
 
     @property
     def ok(self) -> bool:
@@ -161,6 +164,7 @@ class StreamClient:
         events = 0
         gaps: list[float] = []
         max_gap = 0.0
+        max_gap_at = math.nan
         usage: Usage | None = None
         error: str | None = None
         retry_after: float | None = None
@@ -212,6 +216,7 @@ class StreamClient:
                             gap = now - last_t
                             if gap > max_gap:
                                 max_gap = gap
+                                max_gap_at = last_t
                             if record:
                                 gaps.append(gap)
                             last_t = now
@@ -236,7 +241,8 @@ class StreamClient:
         return RequestResult(start_s=start_s, status=status, ttft_s=ttft,
                              e2e_s=time.perf_counter() - t0, events=events, gaps_s=gaps,
                              max_gap_s=max_gap, usage=usage, error=error,
-                             retry_after_s=retry_after, queue_ms=queue_ms)
+                             retry_after_s=retry_after, queue_ms=queue_ms,
+                             max_gap_at_s=max_gap_at)
 
 
 def _float_or_none(value: str | None) -> float | None:
