@@ -162,7 +162,7 @@ class GatewayApp:
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
         self.metrics.install_gc_callback()
         heap = HeapKeeper(self.metrics, self.policy.server.gc_freeze_interval_s,
-                          self.policy.server.gc_sweep_interval_s)
+                          self.policy.server.gc_sweep_interval_s, lambda: self._active)
         heap.settle()
         heap.install()
         gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)

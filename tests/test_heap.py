@@ -142,3 +142,33 @@ def test_survivors_of_a_young_collection_are_frozen_as_it_ends() -> None:
     finally:
         keeper.uninstall()
         gc.unfreeze()
+
+
+@pytest.mark.anyio
+async def test_a_sweep_waits_for_no_request_open_for_up_to_one_more_interval() -> None:
+    # A sweep stalls every open stream (60-80 ms at 300): it waits for a lull, but not forever.
+    gc.collect()
+    gc.unfreeze()
+    open_now = [1]
+    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=0.01, sweep_interval_s=0.3,
+                        open_requests=lambda: open_now[0])
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keeper.run)
+            await anyio.sleep(0.45)  # due at 0.3, requests open all along: not yet
+            assert keeper.sweeps == 0
+            open_now[0] = 0  # the lull: it sweeps at once
+            assert await _sweeps_reach(keeper, 1, within_s=5)
+            open_now[0] = 1  # open all along from now: the next comes one interval late
+            assert await _sweeps_reach(keeper, 2, within_s=10)
+            tg.cancel_scope.cancel()
+    finally:
+        gc.unfreeze()
+
+
+async def _sweeps_reach(keeper: HeapKeeper, n: int, within_s: float) -> bool:
+    for _ in range(int(within_s / 0.01)):
+        if keeper.sweeps >= n:
+            return True
+        await anyio.sleep(0.01)
+    return keeper.sweeps >= n
