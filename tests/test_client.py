@@ -98,7 +98,9 @@ async def counting_server() -> AsyncIterator[tuple[str, Counting]]:
 @pytest.mark.anyio
 async def test_chat_stream_counts_every_event_and_times_the_first_token(stub: Server) -> None:
     async with StreamClient(stub.url) as client:
+        sent = time.perf_counter()
         r = await client.send(chat_request("bench-model", "hello", 20))
+        done = time.perf_counter()
     assert r.ok, r.error
     # vLLM's shape: role frame, 20 tokens, usage, [DONE].
     assert r.events == 23
@@ -106,6 +108,8 @@ async def test_chat_stream_counts_every_event_and_times_the_first_token(stub: Se
     # That the first token (not the headers or the role frame) stops the TTFT clock is checked
     # against a server that withholds it (the split-events test); here: the figures fit together.
     assert r.ttft_s is not None and 0 < r.ttft_s < r.e2e_s
+    # The longest gap began after the first token, on the clock the stall tracer shares.
+    assert sent + r.ttft_s <= r.max_gap_at_s < done
     # Tokens may share a read on a busy machine, never arrive as more reads than tokens.
     assert 1 <= len(r.gaps_s) <= 19
     assert r.max_gap_s == max(r.gaps_s)

@@ -20,11 +20,11 @@ streams end count as deallocations, so young survivors can pile up there too. Wh
 freezing gives up is collecting a reference cycle among frozen objects, so every
 `server.gc_sweep_interval_s` the keeper unfreezes everything and collects once in full: one
 pause of the whole heap's size (start-up's tables included) where Python would otherwise take
-dozens, and a cycle a rare path makes lives at most that long. A sweep that finds little
-doubles the wait for the next (up to 16 times), since it is the one stall left. It is
-the one stall over 10 ms left at 300 open streams (60-80 ms there), so a sweep that falls due
-waits for a moment with no request open, where traffic has one, for up to one more interval:
-under unbroken load it comes at most that late, and wherever traffic pauses it stalls nobody.
+dozens, and a cycle a rare path makes lives at most that long. It is the one stall over
+10 ms left (60-80 ms at 300 open streams), so a sweep that finds little doubles the wait for
+the next (up to 16 times), and one that falls due waits for a moment with no request open,
+for up to one more interval: under unbroken load it comes at most that late, and wherever
+traffic pauses it stalls nobody.
 `gateway_gc_collected_objects_total` counts what collections find, so a path that starts to
 make cycles shows there.
 """
