@@ -395,8 +395,7 @@ def gateway_figures(t: Target, before: str | None, after: str | None
 
 
 def client_gc_quiet() -> None:
-    """Collect, then freeze what survives, in this (the client's) process; from then on,
-    freeze what survives each young collection too, as the gateway's heap keeper does.
+    """Collect, then freeze what survives, in this (the client's) process, before a window.
 
     The client keeps every run's results; without this, a full collection that the growing
     heap triggers mid-run stalls the client's own loop (79 ms was seen late in a run) and
@@ -405,22 +404,17 @@ def client_gc_quiet() -> None:
     with CLOCK_MONOTONIC stamps against the streams' stalls), every stream late with them, and
     the engine too, which shares its CPU: Python counts allocations minus deallocations, and
     each result's frozen objects freed lowers the count, so the young generation grows far
-    past its threshold's 700 objects. Frozen every 0.1 s, as the gateway's heap keeper does
-    (gateway/serving/heap.py), it stays small.
+    past its threshold's 700 objects. So `measure` also freezes every 0.1 s (`freeze_every`),
+    as the gateway's heap keeper does (gateway/serving/heap.py), and it stays small.
     """
     gc.collect()
     gc.freeze()
-    if not _FREEZING:
-        _FREEZING.append(True)
-        _freeze_every(asyncio.get_running_loop(), 0.1)
 
 
-_FREEZING: list[bool] = []
-
-
-def _freeze_every(loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+def freeze_every(loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+    """Freeze what survives in this process every `interval_s`, for as long as `loop` runs."""
     gc.freeze()
-    loop.call_later(interval_s, _freeze_every, loop, interval_s)
+    loop.call_later(interval_s, freeze_every, loop, interval_s)
 
 
 def prompt_requests(tokens: int, extra: dict[str, float]) -> FixedRequests:
@@ -658,8 +652,10 @@ async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   out: Report,
                   start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
                   | None = None) -> None:
+    loop = asyncio.get_running_loop()
+    freeze_every(loop, 0.1)  # the client's young generation kept small (client_gc_quiet)
     if args.trace_stalls:
-        stall_tracer.beat(asyncio.get_running_loop())
+        stall_tracer.beat(loop)
     if "A" in args.parts:
         await part_a(args, targets, engine, out)
     if "B" in args.parts:
