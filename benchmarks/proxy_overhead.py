@@ -650,8 +650,7 @@ def write_doc(path: Path, body: list[str]) -> None:
 
 async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   out: Report,
-                  start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
-                  | None = None) -> None:
+                  start_gc_gateway: GcGateway | None = None) -> None:
     loop = asyncio.get_running_loop()
     freeze_every(loop, 0.1)  # the client's young generation kept small (client_gc_quiet)
     if args.trace_stalls:
@@ -879,25 +878,30 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
     out()
 
 
-GC_TARGET = "gateway+gc1s"
+DEBUG_GC = "GATEWAY_DEBUG_GC_EVERY_S"
+GC_SUFFIX = "+gc1s"  # part D's forcing twin of the plain target it runs beside
+# Part D's plain target and how to start its forcing twin.
+GcGateway = tuple[str, Callable[[], contextlib.AbstractContextManager[Proc]]]
 
 
 async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, out: Report,
-                 start_gc_gateway: Callable[[], contextlib.AbstractContextManager[Proc]]
-                 ) -> None:
+                 start_gc_gateway: GcGateway) -> None:
     """Stalls at 100 streams with and without a forced full collection every second.
 
     The forcing gateway is a second process, started only for this part (on the proxy's
-    CPU, like the plain one), so parts A-C never share a core with its collections.
+    CPU, like the plain one), so parts A-C never share a core with its collections. It is
+    the shipped gateway's twin when `shipped` is among the targets, else the floor's.
     """
+    base, start_forced = start_gc_gateway
+    forced_name = base + GC_SUFFIX
     streams, itl_ms, tokens = args.streams, 20.0, 100
     out(f"## D. Forced full GC: {streams} streams at {itl_ms:g} ms/token, {args.gc_s:g} s per "
-        f"run, {args.gc_repeats} repeats; `{GC_TARGET}` is a gateway started with "
+        f"run, {args.gc_repeats} repeats; `{forced_name}` is `{base}` started with "
         "GATEWAY_DEBUG_GC_EVERY_S=1")
     out()
-    with start_gc_gateway() as proc:
-        forced = Target(GC_TARGET, proc.url, proc, metrics=True)
-        plain = [t for t in targets if t.name in ("direct", "gateway")]
+    with start_forced() as proc:
+        forced = Target(forced_name, proc.url, proc, metrics=True)
+        plain = [t for t in targets if t.name in ("direct", base)]
         order0 = [*plain, forced]
         everyone = ours([*targets, forced], engine)
         runs: dict[str, list[TtftRun]] = {t.name: [] for t in order0}
@@ -1100,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "--port", "{port}", "--log-level", args.gateway_log_level],
                          "/readyz", work, proxy_cpu, env)
 
-        start_gc_gateway = None
+        start_gc_gateway: GcGateway | None = None
         for name in wanted:
             if name == "shipped-switch1ms":  # the GIL handed over every 1 ms, not 5
                 proc = stack.enter_context(gateway(name, {"GATEWAY_SWITCH_INTERVAL_S": "0.001"},
@@ -1109,11 +1113,15 @@ def main(argv: list[str] | None = None) -> int:
             elif name in policies and (name.startswith("shipped") or name == "floor-aioclient"):
                 proc = stack.enter_context(gateway(name, kind=name))
                 targets.append(Target(name, proc.url, proc, metrics=True))
+                if name == "shipped":  # part D forces sweeps in the gateway as users run it
+                    start_gc_gateway = (name, functools.partial(
+                        gateway, "shipped-gc", {DEBUG_GC: "1"}, kind="shipped"))
             elif name == "gateway":
                 proc = stack.enter_context(gateway("gateway"))
                 targets.append(Target("gateway", proc.url, proc, metrics=True))
-                start_gc_gateway = functools.partial(
-                    gateway, "gateway-gc", {"GATEWAY_DEBUG_GC_EVERY_S": "1"})
+                if start_gc_gateway is None:
+                    start_gc_gateway = ("gateway", functools.partial(
+                        gateway, "gateway-gc", {DEBUG_GC: "1"}))
             elif name in ("aiohttp", "httpx"):
                 proc = stack.enter_context(start(
                     f"minimal-{name}", [py, "benchmarks/minimal_proxies.py", "--client", name,

@@ -7,8 +7,8 @@ Starlette's middleware would otherwise wrap `send` for every streamed chunk.
 The lifespan holds what lives as long as the process: the aiohttp session, the state backend,
 the tokenizers, and the background tasks of the runtime in force (health prober, engine
 scraper, admission ticks) plus the event-loop lag monitor and the heap keeper, which freezes
-what survives out of the garbage collector's view (start-up's tables, and every second the
-open streams' objects), so collections no longer walk them while streams wait
+start-up's objects out of the garbage collector's view and keeps the open streams' objects in
+an old generation only its sweep walks, so collections no longer walk them while streams wait
 (gateway/serving/heap.py).
 
 A reload (SIGHUP or POST /admin/reload) validates the new file, builds a new Runtime on the
@@ -83,6 +83,7 @@ class GatewayApp:
         self.precise: PreciseEvents | None = None  # the KV-events subscriptions in force
         self._retirements: set[asyncio.Task[None]] = set()
         self._tasks_debug: asyncio.Task[None] | None = None
+        self._heap: HeapKeeper | None = None
         self._reload_lock = asyncio.Lock()
         self._active = 0
         self.max_active = policy.server.max_concurrent_requests
@@ -165,6 +166,7 @@ class GatewayApp:
                           self.policy.server.gc_sweep_interval_s, lambda: self._active)
         heap.settle()
         heap.install()
+        self._heap = heap
         gc_every = float(os.environ.get(DEBUG_GC_ENV, "0") or 0)
         if gc_every > 0:  # benchmarks: force full collections (sweeps) to measure their stall
             # Only while requests are open: an idle benchmark gateway beside the one measured
@@ -241,7 +243,7 @@ class GatewayApp:
         for task in old_tasks:
             if task.get_name() == "admission" and old is not None:
                 # Retired once the last request admitted through it is done.
-                self._retirements.add(asyncio.create_task(_retire(task, old)))
+                self._retirements.add(asyncio.create_task(_retire(task, old, self._heap)))
             else:
                 task.cancel()
 
@@ -317,12 +319,14 @@ async def _every(period_s: float, fn: Callable[[], object]) -> None:
         fn()
 
 
-async def _retire(task: asyncio.Task[None], rt: Runtime) -> None:
+async def _retire(task: asyncio.Task[None], rt: Runtime, heap: HeapKeeper | None) -> None:
     """Stop a replaced runtime's admission ticks once nothing runs or waits through it."""
     # A rare, slow poll: no event marks "the last request of an old runtime is done".
     while rt.admission.live or any(len(p.queue) for p in rt.admission.pools.values()):  # noqa: ASYNC110
         await asyncio.sleep(0.5)
     task.cancel()
+    if heap is not None:  # the old runtime was frozen with start-up: only a full pass frees it
+        heap.ask_full()
 
 
 async def _watch_loop_lag(metrics: GatewayMetrics) -> None:

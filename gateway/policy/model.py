@@ -344,9 +344,10 @@ class ServerSpec(Strict):
     # counted behind, its reservation cut to the count when it lands (gateway/pipeline.py).
     # 0: every prompt counted before it is sent.
     count_behind_chars: Annotated[int, Field(ge=0)] = 1024
-    # Garbage collection (gateway/serving/heap.py): every this many seconds what survived is
-    # frozen out of later collections (0: off, Python's own thresholds over the whole heap);
-    # every gc_sweep_interval_s everything is unfrozen and collected once in full.
+    # Garbage collection (gateway/serving/heap.py): start-up's objects are frozen out of every
+    # collection, and every this many seconds the young generations' survivors move to the old
+    # one (0: off, Python's own thresholds over the whole heap); the old generation is
+    # collected every gc_sweep_interval_s. The key keeps its first name so policies still load.
     gc_freeze_interval_s: Annotated[float, Field(ge=0)] = 0.1
     gc_sweep_interval_s: PositiveFloat = 600.0
 
