@@ -32,6 +32,9 @@ class Client(Protocol):
         """Answer with `err` unless the answer has started or the caller has gone; return
         its HTTP status either way."""
 
+    def watch(self) -> None:
+        """From here on (the body is read) a disconnect cancels the request's task."""
+
     def linger(self, seconds: float) -> None:
         """From here on a disconnect does not cut the request at once, but `seconds` later."""
 

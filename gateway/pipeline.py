@@ -26,7 +26,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import orjson
@@ -76,6 +75,9 @@ class Pipeline:
         # counts the metrics add up in batches (gateway/observe/batched.py).
         self._timed = rt.policy.server.stage_metrics
         self._stage = {name: rt.metrics.stage_observer(name) for name in STAGES}
+        # Bound once: a stream's frame holds this for its whole life, and the sweep walks
+        # whatever each stream holds (gateway/serving/heap.py).
+        self._lap_timed: Callable[[str, float], float] = self._lap if self._timed else _no_lap
         # Each model's cost on each pool it is routed to, worked out on first use.
         self._costs: dict[tuple[str, str], CostModel] = {}
         # The block size each model's prompts are hashed at for prefix routing (None: not).
@@ -151,16 +153,15 @@ class Pipeline:
     # identify -> read -> parse -> count -> route -> estimate ----------------------------------
 
     async def prepare(self, inbound: Inbound, client: Client,
-                      on_read: Callable[[], None] | None = None,
-                      timed: bool = False) -> Prepared:
+                      watch: bool = False, timed: bool = False) -> Prepared:
         """The stages before any state changes; the same for serving and for previewing.
         `timed`: each stage's time into gateway_request_stage_seconds (served requests)."""
-        lap = self._lap if timed and self._timed else _no_lap
+        lap = self._lap_timed if timed else _no_lap
         caller = self.identify(inbound.headers)
         body = await self.read(client)
         read_at = self.loop_time()
-        if on_read is not None:
-            on_read()
+        if watch:  # a flag, not a callback: nothing held for the stream's life
+            client.watch()
         t = lap("read", inbound.started)
         endpoint, data, parsed = self.parse(body, inbound.endpoint)
         model = self.rt.router.model(parsed.model)
@@ -252,7 +253,7 @@ class Pipeline:
     # serve: quota -> admit -> forward -> observe -> release -----------------------------------
 
     async def serve(self, inbound: Inbound, client: Client,
-                    on_read: Callable[[], None] | None = None) -> None:
+                    watch: bool = False) -> None:
         """The whole request. Whatever ends it (an answer, a refusal, the caller leaving, an
         engine failing, a bug), its reservation and quota are released and it is observed;
         the caller gets an answer in OpenAI's error shape for anything but a full answer."""
@@ -266,11 +267,11 @@ class Pipeline:
         refused = False  # answered with an error (and counted) before a record was made
         task = asyncio.current_task()
         try:
-            p = await self.prepare(inbound, client, on_read, timed=True)
+            p = await self.prepare(inbound, client, watch, timed=True)
             pending = p.prompt.pending
             if pending is not None and rt.quotas.applies(p.caller.tenant):
                 p = await self._counted(p)  # a quota is charged on the count, never a bound
-            lap = self._lap if self._timed else _no_lap
+            lap = self._lap_timed
             t = STAGE_CLOCK()
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             t = lap("quota", t)
@@ -298,7 +299,7 @@ class Pipeline:
                 behind = asyncio.create_task(self._count_behind(p, ticket, headers, record))
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
                           bool(p.parsed.stream), headers,
-                          strip_usage, partial(rt.admission.prefill_done, ticket), behind)
+                          strip_usage, rt.admission.on_first_byte, ticket, behind)
             forward_start = asyncio.get_running_loop().time()
             forward_at = STAGE_CLOCK()
             if not up.stream:

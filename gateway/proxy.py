@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from starlette.types import Send
@@ -35,7 +35,10 @@ from gateway.protocol import error_body, sse_error_frame
 from gateway.records import record
 from gateway.routing import Router
 from gateway.serving.heap import forget
-from gateway.silence import NOT_WAITING, SilenceWatch
+from gateway.silence import NOT_WAITING, Silences
+
+if TYPE_CHECKING:
+    from gateway.admission.pool import Ticket
 
 log = logging.getLogger("gateway.proxy")
 
@@ -75,7 +78,10 @@ class Upstream:
     response_headers: list[tuple[bytes, bytes]]
     # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
     strip_usage: bool = False
-    on_first_byte: Callable[[], None] | None = None  # once: admission's prefill backlog
+    # Called with `ticket` once: admission's prefill backlog. Two fields, not a partial: one
+    # bound method for every stream, not a partial and a bound method held by each.
+    on_first_byte: Callable[[Ticket], None] | None = None
+    ticket: Ticket | None = None
     # Its prompt counted behind (gateway/pipeline.py): the answer's headers, which carry the
     # count, wait for it (an engine prefilling that prompt answers later than it lands).
     ready: asyncio.Future[Any] | None = None
@@ -121,13 +127,15 @@ class Forwarder:
         self.router = router
         self.backends = router.backends
         # sock_read bounds the wait for an answer's headers and non-streamed bodies; a
-        # stream's body is watched by one timer of its own (gateway/silence.py).
+        # stream's body is watched by one timer for them all (gateway/silence.py).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                              sock_connect=connect_timeout,
                                              sock_read=read_timeout)
         self.read_timeout_s = read_timeout
         self.connect_timeout_s = connect_timeout
         self.loop = asyncio.get_running_loop()
+        self.loop_time = self.loop.time  # one bound method, not one held by each stream
+        self.silences = Silences(self.loop, read_timeout)
 
     async def forward(self, up: Upstream, ex: Relay, send: Send,
                       first: Backend | None = None) -> None:
@@ -157,8 +165,10 @@ class Forwarder:
                 if resp is None:  # connect failure: nothing reached the engine; try another
                     last_error = f"`{backend.name}`: {failure}"
                     continue
-                async with resp:
+                try:
                     await self._relay(up, ex, backend, resp, send)
+                finally:  # not `async with`: its bound __aexit__ lived as long as the stream
+                    await resp.__aexit__(None, None, None)
                 return
             finally:
                 backend.outstanding -= 1
@@ -279,8 +289,8 @@ class Forwarder:
                 body = errs.engine_error(resp.status, body, backend.name)
                 errs.engine_error_headers(resp.status, ex.upstream_headers)
             ex.first_byte = ex.finished = self.loop.time()
-            if up.on_first_byte is not None:
-                up.on_first_byte()
+            if up.on_first_byte is not None and up.ticket is not None:
+                up.on_first_byte(up.ticket)
             await self._start(up, ex, send, resp.status, len(body))
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
@@ -317,13 +327,13 @@ class Forwarder:
                       resp: Answer, send: Send) -> None:
         await self._start(up, ex, send, 200, None)
         content = resp.content
-        loop_time = self.loop.time
+        loop_time = self.loop_time
         strip_usage = up.strip_usage
         first_token = _FIRST_TOKEN.get(up.endpoint)
         event = _EVENTS.get(up.endpoint, b"data:")
         want_id = up.endpoint == "responses"
         usage_frame = b""
-        watch = SilenceWatch(self.loop, resp, self.read_timeout_s)
+        watch = self.silences.watch(resp)
         try:
             while True:
                 watch.since = loop_time()
@@ -333,8 +343,8 @@ class Forwarder:
                     break
                 if ex.first_byte is None and (first_token is None or first_token in chunk):
                     ex.first_byte = loop_time()
-                    if up.on_first_byte is not None:
-                        up.on_first_byte()
+                    if up.on_first_byte is not None and up.ticket is not None:
+                        up.on_first_byte(up.ticket)
                 if want_id and ex.response_id is None:
                     _parse_response_id(ex, chunk)
                 # Kept on the exchange as it goes: the latency guard reads streams in flight.
@@ -363,7 +373,7 @@ class Forwarder:
             self.backends.record_success(backend)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watch.close()
+            self.silences.close(watch)
             ex.finished = loop_time()
             if usage_frame:
                 _parse_usage(ex, usage_frame)

@@ -68,6 +68,8 @@ class Admission:
         self.policy = policy
         self.backends = backends
         self.state = state
+        # `prefill_done` bound once, for the forwarder to call on each stream's first byte.
+        self.on_first_byte: Callable[[Ticket], None] = self.prefill_done
         self.fallback = MemoryState(clock)
         self.metrics = metrics
         self.scraper = scraper

@@ -126,7 +126,7 @@ class AsgiClient:
         The gateway's own server says so itself (gateway/serving/server.py); under any other
         ASGI server a task waits on `receive()` for `http.disconnect`."""
         if self._notice is not None:
-            self._notice.watch(self._lost)
+            self._notice.watch(self)
             return
         self._watcher = asyncio.ensure_future(self.receive())
         self._watcher.add_done_callback(self._disconnected)
@@ -134,9 +134,9 @@ class AsgiClient:
     def _disconnected(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None \
                 and fut.result()["type"] == "http.disconnect":
-            self._lost()
+            self.lost()
 
-    def _lost(self) -> None:
+    def lost(self) -> None:
         self.gone = True
         if self._task is None:
             return
@@ -198,7 +198,7 @@ class CompletionsEndpoint(PipelineEndpoint):
         request = inbound(scope, self.endpoint)
         client = AsgiClient(receive, send, request.headers, request.request_id,
                             scope.get("extensions", _NO_EXTENSIONS).get(DISCONNECT_EXTENSION))
-        await pipeline.serve(request, client, on_read=client.watch)
+        await pipeline.serve(request, client, watch=True)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
