@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import CoroutineType
 from typing import Any, cast
 
@@ -193,12 +193,15 @@ class CompletionsEndpoint(PipelineEndpoint):
         super().__init__(runtime)
         self.endpoint = endpoint
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send
+                 ) -> Coroutine[Any, Any, None]:
+        # Not a coroutine of its own: it hands back the pipeline's, one coroutine fewer held
+        # by every stream for the collector's sweep to walk (gateway/serving/heap.py).
         pipeline = self.pipeline()
         request = inbound(scope, self.endpoint)
         client = AsgiClient(receive, send, request.headers, request.request_id,
                             scope.get("extensions", _NO_EXTENSIONS).get(DISCONNECT_EXTENSION))
-        await pipeline.serve(request, client, watch=True)
+        return pipeline.serve(request, client, watch=True)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
