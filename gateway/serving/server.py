@@ -258,6 +258,10 @@ def _config(app: Any, host: str, port: int, max_concurrency: int | None,
     return uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http=protocol, lifespan="auto",
         log_level="warning", access_log=False, timeout_graceful_shutdown=5, backlog=4096,
+        # The gateway reads neither the caller's address nor its scheme, so uvicorn's
+        # X-Forwarded-* middleware was only a coroutine more held by every stream, and a scan
+        # of every request's headers.
+        proxy_headers=False,
         # uvicorn's own cap is the backstop behind the gateway's OpenAI-shaped 503.
         limit_concurrency=max_concurrency)
 
