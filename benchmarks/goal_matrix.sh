@@ -2,7 +2,8 @@
 # Issue 21's goal matrix, one benchmarks/proxy_overhead.py run per case, the floor (tokenizer
 # `none`) beside the gateway as shipped in each: 30-token prompts at 10, 100 and 1,000
 # streams; 2,000- and 16,000-token prompts, seen (a shared 8-turn history and a new question)
-# and new; the 300-stream stall (part C). About 12 minutes on the 2-core VM.
+# and new; the 300-stream stall (part C), and with a sweep of the heap keeper's forced every
+# second in a twin of the shipped gateway (part D). About 15 minutes on the 2-core VM.
 #
 #   benchmarks/goal_matrix.sh                 # as above, at real-time priority (needs root)
 #   benchmarks/goal_matrix.sh --gateway W     # another tree's gateway (docs/benchmarks-proxy.md)
@@ -29,3 +30,4 @@ run "${A[@]}" --streams 10 --prompt-words 5500 --history seen "$@"
 run "${A[@]}" --streams 10 --prompt-words 5500 --history fresh "$@"
 run --parts A --repeats 2 --ttft-s 8 --streams 1000 --itl-ms 100 --targets gateway,shipped "$@"
 run --parts C --stall-streams 300 --stall-repeats 2 --targets shipped "$@"
+run --parts D --streams 300 --gc-repeats 3 --gc-s 8 --targets shipped "$@"
