@@ -6,8 +6,10 @@ what the collections found."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -90,6 +92,21 @@ async def _sleep(s: float) -> None:
     await anyio.sleep(s)
 
 
+@contextlib.contextmanager
+def _installed(freeze_interval_s: float) -> Iterator[HeapKeeper]:
+    """A keeper on a clean heap, installed; Python's thresholds and an unfrozen heap after."""
+    gc.collect()
+    gc.unfreeze()
+    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=freeze_interval_s,
+                        sweep_interval_s=3600)
+    keeper.install()
+    try:
+        yield keeper
+    finally:
+        keeper.uninstall()
+        gc.unfreeze()
+
+
 def _generation_of(obj: object) -> int | None:
     for g in range(3):
         if any(o is obj for o in gc.get_objects(generation=g)):
@@ -99,11 +116,7 @@ def _generation_of(obj: object) -> int | None:
 
 @pytest.mark.anyio
 async def test_survivors_move_to_the_old_generation_and_only_the_sweep_walks_it() -> None:
-    gc.collect()
-    gc.unfreeze()
-    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=0.01, sweep_interval_s=3600)
-    keeper.install()
-    try:
+    with _installed(freeze_interval_s=0.01) as keeper:
         keeper.settle()
         frozen = gc.get_freeze_count()
         assert frozen > 0  # start-up's objects, out of every collection from now on
@@ -123,20 +136,13 @@ async def test_survivors_move_to_the_old_generation_and_only_the_sweep_walks_it(
         assert keeper.sweep() >= 1  # the sweep does
         assert alive() is None
         assert gc.get_freeze_count() > frozen // 2  # and it left start-up's objects frozen
-    finally:
-        keeper.uninstall()
-        gc.unfreeze()
     assert gc.get_threshold()[1:] != (0, 2**31 - 1)  # Python's own again
 
 
 def test_survivors_of_two_young_collections_are_old() -> None:
     # Not left to pile up in the middle generation: at 1,000 open streams its collections
     # walked them for 10-25 ms. Python's own young collections promote them too, no tick needed.
-    gc.collect()
-    gc.unfreeze()
-    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=3600, sweep_interval_s=3600)
-    keeper.install()
-    try:
+    with _installed(freeze_interval_s=3600) as keeper:
         keeper.settle()
         kept = [_Node() for _ in range(1000)]
         for _ in range(3):  # each young collection Python starts by allocation counts
@@ -144,18 +150,11 @@ def test_survivors_of_two_young_collections_are_old() -> None:
             del junk
         assert _generation_of(kept[0]) == 2
         assert _generation_of(kept[-1]) == 2
-    finally:
-        keeper.uninstall()
-        gc.unfreeze()
 
 
 @pytest.mark.anyio
 async def test_a_reload_asks_for_a_pass_that_walks_the_frozen_too() -> None:
-    gc.collect()
-    gc.unfreeze()
-    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=0.01, sweep_interval_s=3600)
-    keeper.install()
-    try:
+    with _installed(freeze_interval_s=0.01) as keeper:
         cycle = _Node()  # made before start-up settles, as the runtime a reload retires
         cycle.other = cycle
         alive = weakref.ref(cycle)
@@ -174,14 +173,11 @@ async def test_a_reload_asks_for_a_pass_that_walks_the_frozen_too() -> None:
             tg.cancel_scope.cancel()
         assert alive() is None
         assert 0 < gc.get_freeze_count() <= frozen + 1000  # frozen again
-    finally:
-        keeper.uninstall()
-        gc.unfreeze()
 
 
 @pytest.mark.anyio
 async def test_a_sweep_waits_for_no_request_open_for_up_to_one_more_interval() -> None:
-    # A sweep stalls every open stream (60-80 ms at 300): it waits for a lull, but not forever.
+    # A sweep stalls every open stream (4-6 ms at 300): it waits for a lull, but not forever.
     gc.collect()
     gc.unfreeze()
     open_now = [1]
