@@ -162,8 +162,9 @@ class GatewayApp:
         self._install(rt, None)
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
         self.metrics.install_gc_callback()
-        heap = HeapKeeper(self.metrics, self.policy.server.gc_freeze_interval_s,
-                          self.policy.server.gc_sweep_interval_s, lambda: self._active)
+        server = self.policy.server
+        heap = HeapKeeper(self.metrics, server.gc_freeze_interval_s, server.gc_sweep_interval_s,
+                          lambda: self._active, server.gc_sweep_growth)
         heap.settle()
         heap.install()
         self._heap = heap

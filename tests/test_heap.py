@@ -176,22 +176,38 @@ async def test_a_reload_asks_for_a_pass_that_walks_the_frozen_too() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_sweep_waits_for_no_request_open_for_up_to_one_more_interval() -> None:
-    # A sweep stalls every open stream (4-6 ms at 300): it waits for a lull, but not forever.
+async def test_a_due_sweep_waits_for_a_lull_or_for_growth() -> None:
+    # A sweep stalls every open stream (5-20 ms at 300): under a load that never pauses it
+    # waits as long as memory stays flat, and runs once it has grown past the policy's share.
     gc.collect()
     gc.unfreeze()
     open_now = [1]
-    keeper = HeapKeeper(GatewayMetrics(), freeze_interval_s=0.01, sweep_interval_s=0.3,
-                        open_requests=lambda: open_now[0])
+    blocks = [1000]
+    metrics = GatewayMetrics()
+    keeper = HeapKeeper(metrics, freeze_interval_s=0.01, sweep_interval_s=0.2,
+                        open_requests=lambda: open_now[0], sweep_growth=0.5,
+                        blocks=lambda: blocks[0])
+
+    def swept(trigger: str) -> float:
+        return metrics.registry.get_sample_value(
+            "gateway_gc_sweeps_total", {"trigger": trigger}) or 0.0
+
     try:
+        keeper.settle()  # what start-up left: 1,000 blocks
         async with anyio.create_task_group() as tg:
             tg.start_soon(keeper.run)
-            await anyio.sleep(0.45)  # due at 0.3, requests open all along: not yet
+            blocks[0] = 1400  # streams opened: 40% more, their objects, not garbage
+            await anyio.sleep(0.8)  # due at 0.2, requests open all along: four intervals
             assert keeper.sweeps == 0
             open_now[0] = 0  # the lull: it sweeps at once
             assert await _sweeps_reach(keeper, 1, within_s=5)
-            open_now[0] = 1  # open all along from now: the next comes one interval late
-            assert await _sweeps_reach(keeper, 2, within_s=10)
+            assert swept("lull") == 1
+            open_now[0] = 1  # open all along from now, and memory grows past the last +50%
+            blocks[0] = 2200
+            assert await _sweeps_reach(keeper, 2, within_s=5)
+            assert swept("growth") == 1
+            await anyio.sleep(1.0)  # flat since: the next waits again (backoff or not)
+            assert keeper.sweeps == 2
             tg.cancel_scope.cancel()
     finally:
         gc.unfreeze()

@@ -80,6 +80,8 @@ def test_good_policy_summary(tmp_path: Path) -> None:
      "server.gc_freeze_interval_s", "greater than or equal to 0"),
     (("pools:\n", "server: {gc_sweep_interval_s: 0}\npools:\n"),
      "server.gc_sweep_interval_s", "greater than 0"),
+    (("pools:\n", "server: {gc_sweep_growth: -0.5}\npools:\n"),
+     "server.gc_sweep_growth", "greater than or equal to 0"),
 ])
 def test_bad_policy_names_path_and_rule(tmp_path: Path, edit: tuple[str, str], path: str,
                                         expected: str) -> None:

@@ -122,6 +122,13 @@ class GatewayMetrics:
             "Unreachable objects garbage collections found and freed, by generation.",
             ["generation"], registry=r)
         self._gc_collected_children = [self.gc_collected.labels(str(g)) for g in range(3)]
+        # Why each of the heap keeper's sweeps ran: "lull" (no request open, nobody waits) or
+        # "growth" (due while requests were open, and memory had grown enough since the last
+        # one to be worth a stall); a reload's full pass is counted the same way.
+        self.gc_sweeps = Counter(
+            "gateway_gc_sweeps_total",
+            "Collections of the old generation the heap keeper ran, by what let it run.",
+            ["trigger"], registry=r)
         self.gc_frozen = Gauge(
             "gateway_gc_frozen_objects",
             "Objects in the permanent generation, which collections do not traverse.",

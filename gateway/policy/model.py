@@ -347,9 +347,12 @@ class ServerSpec(Strict):
     # Garbage collection (gateway/serving/heap.py): start-up's objects are frozen out of every
     # collection, and every this many seconds the young generations' survivors move to the old
     # one (0: off, Python's own thresholds over the whole heap); the old generation is
-    # collected every gc_sweep_interval_s. The key keeps its first name so policies still load.
+    # collected every gc_sweep_interval_s, at a moment with no request open, or, while requests
+    # stay open, once the interpreter's allocated blocks have grown gc_sweep_growth past what
+    # the last sweep left. The first key keeps its first name so policies still load.
     gc_freeze_interval_s: Annotated[float, Field(ge=0)] = 0.1
     gc_sweep_interval_s: PositiveFloat = 600.0
+    gc_sweep_growth: Annotated[float, Field(ge=0)] = 1.0
 
 
 Priority = Literal["critical", "standard", "sheddable"]

@@ -23,21 +23,32 @@ So the keeper splits the heap three ways:
   as deallocations, so new streams' objects gathered there until one collection walked
   thousands (10-25 ms at 1,000 open streams).
 - **The old generation is collected only by the keeper's sweep** (its threshold is out of
-  reach), every `server.gc_sweep_interval_s`: a walk of what lives beyond start-up, ~30,000
-  objects at 300 open streams (~5 ms here), which finds any cycle the request path makes. A
-  sweep that finds little doubles the wait for the next (up to 16 times), and one that falls
-  due waits for a moment with no request open, for up to one more interval.
+  reach): a walk of what lives beyond start-up, ~25,000 objects at 300 open streams (5-20 ms
+  on a 2-core VM, depending on the machine), which finds any cycle the request path makes.
+  Every open stream waits for that walk, so a sweep that falls due
+  (`server.gc_sweep_interval_s`) waits for a moment with no request open, where it stalls
+  nobody. Under load that never pauses it waits until garbage could be piling up: until the
+  interpreter's allocated blocks (`sys.getallocatedblocks()`, 0.05-0.1 ms to read) have grown
+  `server.gc_sweep_growth` past what the last sweep left (by default twice as many). A steady
+  load's objects die by reference count and leave that figure flat, so no sweep stalls it; a
+  path that starts to make cycles grows it, and is swept at a bounded cost in memory (the
+  blocks are the small objects', ~280,000 at start-up as shipped). Open streams grow it
+  too, less than the default (idle to 300 streams +20%, to ~800 +68%, as shipped). A sweep
+  that finds little doubles the wait for the next (up to 16 times).
 
 Until this split the survivors were frozen too and a sweep unfroze and walked everything,
-start-up's tables included: 25-30 ms at 300 open streams, the one stall over 10 ms left.
-`gateway_gc_collected_objects_total` counts what collections find, so a path that starts to
-make cycles shows there.
+start-up's tables included: 25-30 ms at 300 open streams. Until the sweep waited on growth it
+ran under load within one more interval, and a machine slower than the one it was timed on
+took 10-23 ms over it. `gateway_gc_collected_objects_total` counts what collections find, so a
+path that starts to make cycles shows there, and `gateway_gc_sweeps_total{trigger}` says
+whether sweeps ran in lulls or on growth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -50,14 +61,18 @@ OLD_THRESHOLD = 2**31 - 1  # Python never collects the old generation on its own
 
 class HeapKeeper:
     def __init__(self, metrics: GatewayMetrics, freeze_interval_s: float,
-                 sweep_interval_s: float, open_requests: Callable[[], int] = lambda: 0
-                 ) -> None:
+                 sweep_interval_s: float, open_requests: Callable[[], int] = lambda: 0,
+                 sweep_growth: float = 1.0,
+                 blocks: Callable[[], int] = sys.getallocatedblocks) -> None:
         self.metrics = metrics
         self.young_interval_s = freeze_interval_s  # 0: the keeper is off
         self.sweep_interval_s = sweep_interval_s
         self.open_requests = open_requests  # requests in flight now (a sweep waits for none)
+        self.sweep_growth = sweep_growth
+        self.blocks = blocks  # the interpreter's allocated memory blocks, now
+        self._swept_blocks = 0  # what the last sweep (or start-up) left
         self.sweeps = 0
-        self._full_asked: float | None = None  # when a reload retired start-up's objects
+        self._full_asked = False  # a reload retired objects frozen with start-up
         self._thresholds: tuple[int, int, int] | None = None
 
     def install(self) -> None:
@@ -76,15 +91,15 @@ class HeapKeeper:
         tokenizers' tables, the policy) out of every later collection."""
         gc.collect()
         gc.freeze()
+        self._swept_blocks = self.blocks()
         # Counted here only: `gc.get_freeze_count()` walks the frozen list, one cold pointer
         # per object (4-11 ms at 67,000-103,000 objects), and nothing later adds to it.
         self.metrics.gc_frozen.set(gc.get_freeze_count())
 
     def ask_full(self) -> None:
         """A reload retired a runtime frozen at start-up (or at the last reload): walk
-        everything once, at the next lull, within one sweep interval."""
-        if self._full_asked is None:
-            self._full_asked = asyncio.get_running_loop().time()
+        everything once, at the next lull (or on growth, as a sweep)."""
+        self._full_asked = True
 
     async def run(self) -> None:
         if self.young_interval_s <= 0:
@@ -92,24 +107,36 @@ class HeapKeeper:
         loop = asyncio.get_running_loop()
         interval = self.sweep_interval_s
         next_sweep = loop.time() + interval
+        sweeps = self.metrics.gc_sweeps
         while True:
             await asyncio.sleep(self.young_interval_s)
             now = loop.time()
-            lull = not self.open_requests()
-            asked = self._full_asked
-            if asked is not None and (lull or now >= asked + self.sweep_interval_s):
-                self._full_asked = None
-                self.resettle()
-                next_sweep = now + interval  # it walked the old generation too
-            elif now >= next_sweep and (lull or now >= next_sweep + interval):
+            full = self._full_asked
+            trigger = self._trigger() if full or now >= next_sweep else None
+            if trigger is None:
+                gc.collect(1)
+                continue
+            sweeps.labels(trigger).inc()
+            if full:
+                self._full_asked = False
+                self.resettle()  # it walks the old generation too
+            else:
                 # One that found nothing doubles the wait for the next, up to
                 # SWEEP_BACKOFF_MAX times the policy's; one that found garbage brings it back.
                 found = self.sweep()
                 interval = self.sweep_interval_s if found >= SWEEP_FOUND_RESET else \
                     min(interval * 2, self.sweep_interval_s * SWEEP_BACKOFF_MAX)
-                next_sweep = now + interval
-            else:
-                gc.collect(1)
+            self._swept_blocks = self.blocks()
+            next_sweep = now + interval
+
+    def _trigger(self) -> str | None:
+        """What lets a due sweep run now: no request open, or enough growth since the last
+        that garbage may be piling up; None while it should wait."""
+        if not self.open_requests():
+            return "lull"
+        if self.blocks() > self._swept_blocks * (1 + self.sweep_growth):
+            return "growth"
+        return None
 
     def sweep(self) -> int:
         """Collect everything but start-up's frozen objects: any cycle the request path made
