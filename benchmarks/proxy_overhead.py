@@ -11,7 +11,9 @@ pass-through proxies as real processes on loopback, then measures them side by s
      beyond the engine's own interval; the gateway's event-loop lag and GC pauses from /metrics.
   D. Forced full GC: 100 streams through a second gateway started with
      GATEWAY_DEBUG_GC_EVERY_S=1 (a full gc.collect() on its loop every second), beside the
-     plain gateway and direct: the stall a full collection adds, and its measured pause.
+     plain gateway and direct: the stall a full collection adds, and its measured pause;
+     beside the shipped gateway, a third twin whose sweeps fall due every 0.1 s and run when
+     its heap keeper lets them (a moment with no request open, or growth).
 
 On a 2-core machine the proxy under test is pinned to CPU 1 and the engine and this client to
 CPU 0 (`--no-pin` to turn off): the proxy gets a core of its own, as in production, and its
@@ -98,7 +100,7 @@ server:
   stage_metrics: {stages}
   inline_tokenize_chars: {inline}
   gc_freeze_interval_s: {freeze}
-  count_behind_chars: {behind}
+{sweep}  count_behind_chars: {behind}
 {upstream}defaults:
   slo:
     tpot_p95_s: {tpot}
@@ -112,11 +114,12 @@ FLOOR = {"tokenizer": "none", "architecture": ""}
 def policy_text(engine: str, fields: dict[str, str], *, tpot: float = 0.06,
                 stages: str = "true", inline: int = 512, freeze: float = 0.1,
                 encoder: str = "auto", behind: int = 1024, renderer: str = "auto",
-                client: str = "native") -> str:
+                client: str = "native", sweep_s: float | None = None) -> str:
     """POLICY for one target: `fields` is FLOOR or SHIPPED, the rest the server's defaults
     unless a variant target changes one."""
     return POLICY.format(model=MODEL, engine=engine, tpot=tpot, stages=stages, inline=inline,
                          freeze=freeze, encoder=encoder, behind=behind, renderer=renderer,
+                         sweep="" if sweep_s is None else f"  gc_sweep_interval_s: {sweep_s}\n",
                          # Only when not the default: a tree from before the key (--gateway)
                          # still reads the policy.
                          upstream="" if client == "native" else f"upstream:\n  client: {client}\n",
@@ -246,6 +249,15 @@ def gc_summary(before: str | None, after: str | None) -> str:
         if d.count:
             parts.append(f"gen{gen} n={d.count:.0f} max <= {_ms(d.max_le)}")
     return ", ".join(parts) or "none"
+
+
+_SWEEPS = re.compile(r'^gateway_gc_sweeps_total\{trigger="(\w+)"\} ([0-9.e+-]+)$', re.M)
+
+
+def sweeps_by_trigger(text: str | None) -> str:
+    """The heap keeper's sweeps so far, by what let each run ("lull 12, growth 0")."""
+    found = {m.group(1): float(m.group(2)) for m in _SWEEPS.finditer(text or "")}
+    return ", ".join(f"{k} {found.get(k, 0.0):.0f}" for k in ("lull", "growth"))
 
 
 def _ms(seconds: float) -> str:
@@ -880,30 +892,45 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
 
 DEBUG_GC = "GATEWAY_DEBUG_GC_EVERY_S"
 GC_SUFFIX = "+gc1s"  # part D's forcing twin of the plain target it runs beside
-# Part D's plain target and how to start its forcing twin.
-GcGateway = tuple[str, Callable[[], contextlib.AbstractContextManager[Proc]]]
+DUE_SUFFIX = "+due"  # its keeping twin: a sweep due every 0.1 s, run when its keeper says
+DUE_SWEEP_S = 0.1  # its backoff's cap (16x) is then 1.6 s: due many times in every run
+StartProc = Callable[[], contextlib.AbstractContextManager[Proc]]
+# Part D's plain target, how to start its forcing twin, and (shipped only) its keeping twin.
+GcGateway = tuple[str, StartProc, StartProc | None]
 
 
 async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, out: Report,
                  start_gc_gateway: GcGateway) -> None:
-    """Stalls at 100 streams with and without a forced full collection every second.
+    """Stalls with and without a full collection forced every second.
 
     The forcing gateway is a second process, started only for this part (on the proxy's
     CPU, like the plain one), so parts A-C never share a core with its collections. It is
-    the shipped gateway's twin when `shipped` is among the targets, else the floor's.
+    the shipped gateway's twin when `shipped` is among the targets, else the floor's. Beside
+    the shipped one runs a third twin whose sweep falls due every 0.1 s (backing off to 1.6 s
+    while sweeps find nothing) and runs when its heap keeper lets it: what a load that never
+    pauses sees of full collections as shipped, at 6,000-96,000 times their due rate.
     """
-    base, start_forced = start_gc_gateway
+    base, start_forced, start_due = start_gc_gateway
     forced_name = base + GC_SUFFIX
     streams, itl_ms, tokens = args.streams, 20.0, 100
+    due_name = base + DUE_SUFFIX
     out(f"## D. Forced full GC: {streams} streams at {itl_ms:g} ms/token, {args.gc_s:g} s per "
         f"run, {args.gc_repeats} repeats; `{forced_name}` is `{base}` started with "
-        "GATEWAY_DEBUG_GC_EVERY_S=1")
+        "GATEWAY_DEBUG_GC_EVERY_S=1" + (
+            f"; `{due_name}` is `{base}` with `server.gc_sweep_interval_s: {DUE_SWEEP_S}` (at "
+            "most 16 times that apart), its heap keeper left to choose when a due sweep runs"
+            if start_due is not None else ""))
     out()
-    with start_forced() as proc:
+    with contextlib.ExitStack() as stack:
+        proc = stack.enter_context(start_forced())
         forced = Target(forced_name, proc.url, proc, metrics=True)
         plain = [t for t in targets if t.name in ("direct", base)]
-        order0 = [*plain, forced]
-        everyone = ours([*targets, forced], engine)
+        twins = [forced]
+        if start_due is not None:
+            due = stack.enter_context(start_due())
+            twins.append(Target(due_name, due.url, due, metrics=True))
+        order0 = [*plain, *twins]
+        everyone = ours([*targets, *twins], engine)
         runs: dict[str, list[TtftRun]] = {t.name: [] for t in order0}
         rows = []
         for rep in range(args.gc_repeats):
@@ -920,6 +947,7 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
                       flush=True)
                 proxied = t.proc is not None
                 rows.append(stall_row(t.name, rep, r, proxied))
+        swept = {t.name: sweeps_by_trigger(metrics_text(t.url)) for t in twins[1:]}
     out.table(STALL_COLUMNS, rows)
     out("Side by side (stall P99: median over repeats; stall max: worst of all repeats; "
         "full collections: `gateway_gc_pause_seconds{generation=\"2\"}` over all repeats, "
@@ -940,10 +968,14 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
         summary.append(row)
     out.table(["target", "stall P99", "stall max", "loop lag max (bucket, ms)",
                "full collections", "full-GC pause max (bucket, ms)"], summary)
+    for name, counts in swept.items():
+        out(f"`{name}`'s heap keeper swept (the whole part, between runs included): {counts}.")
+        out()
     out("A full collection holds the loop, so every stream in flight waits for it; with a "
         "collection every second and 2 s streams, each stream sees about two, so the stall "
         "P99 of the forcing gateway includes them. Objects frozen at start-up (`gc.freeze()`) "
-        "are not traversed.")
+        "are not traversed. The keeping twin's sweeps (`gateway_gc_sweeps_total`) run in the "
+        "lulls between runs, or under load once memory has grown `server.gc_sweep_growth`.")
     out()
 
 
@@ -1097,6 +1129,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   stages=stages, inline=inline, freeze=freeze,
                                                   encoder=encoder, behind=behind,
                                                   renderer=renderer, client=client))
+        # Part D's keeping twin: the shipped gateway with a sweep due every DUE_SWEEP_S.
+        policies["shipped-due"] = work / "policy-shipped-due.yaml"
+        policies["shipped-due"].write_text(policy_text(
+            engine.url, SHIPPED, tpot=max(0.06, 2 * args.itl_ms / 1e3), sweep_s=DUE_SWEEP_S))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
@@ -1115,13 +1151,14 @@ def main(argv: list[str] | None = None) -> int:
                 targets.append(Target(name, proc.url, proc, metrics=True))
                 if name == "shipped":  # part D forces sweeps in the gateway as users run it
                     start_gc_gateway = (name, functools.partial(
-                        gateway, "shipped-gc", {DEBUG_GC: "1"}, kind="shipped"))
+                        gateway, "shipped-gc", {DEBUG_GC: "1"}, kind="shipped"),
+                        functools.partial(gateway, "shipped-due", kind="shipped-due"))
             elif name == "gateway":
                 proc = stack.enter_context(gateway("gateway"))
                 targets.append(Target("gateway", proc.url, proc, metrics=True))
                 if start_gc_gateway is None:
                     start_gc_gateway = ("gateway", functools.partial(
-                        gateway, "gateway-gc", {DEBUG_GC: "1"}))
+                        gateway, "gateway-gc", {DEBUG_GC: "1"}), None)
             elif name in ("aiohttp", "httpx"):
                 proc = stack.enter_context(start(
                     f"minimal-{name}", [py, "benchmarks/minimal_proxies.py", "--client", name,
