@@ -219,3 +219,30 @@ async def _sweeps_reach(keeper: HeapKeeper, n: int, within_s: float) -> bool:
             return True
         await anyio.sleep(0.01)
     return keeper.sweeps >= n
+
+
+@pytest.mark.parametrize("growth, trigger", [(1.0, "lull"), (0.0, "growth")])
+def test_the_gateway_sweeps_under_load_only_on_growth(start_sim: StartSim,
+                                                      start_gateway: StartGateway,
+                                                      growth: float, trigger: str) -> None:
+    # The policy's keys reach the keeper: with a sweep due every 0.2 s and a stream open
+    # throughout, the default waits (memory flat), growth 0 sweeps under load at once.
+    server = f"server:\n  gc_sweep_interval_s: 0.2\n  gc_sweep_growth: {growth}\n"
+    with start_sim() as sim, start_gateway(policy_yaml([sim.url], extra=server)) as gw:
+        c = openai_client(gw.url, max_retries=0)
+        stream = c.chat.completions.create(
+            model="test-model", messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        before = metric(scrape(gw.url), "gateway_gc_sweeps_total", trigger="growth")
+        for _ in range(20):  # ~1 s of the stream: five sweeps due
+            next(chunks)
+            anyio.run(_sleep, 0.05)
+        during = metric(scrape(gw.url), "gateway_gc_sweeps_total", trigger="growth") - before
+        stream.close()
+        if trigger == "growth":
+            assert during >= 1
+        else:
+            assert during == 0
+            poll_metric(gw.url, "gateway_gc_sweeps_total", lambda v: v >= 1, trigger="lull")
