@@ -3,7 +3,8 @@
 # `none`) beside the gateway as shipped in each: 30-token prompts at 10, 100 and 1,000
 # streams; 2,000- and 16,000-token prompts, seen (a shared 8-turn history and a new question)
 # and new; the 300-stream stall (part C), and with a sweep of the heap keeper's forced every
-# second in a twin of the shipped gateway (part D). About 15 minutes on the 2-core VM.
+# second in a twin of the shipped gateway, and due every 0.1 s in another whose keeper chooses
+# when it runs (part D). About 15 minutes on the 2-core VM.
 #
 #   benchmarks/goal_matrix.sh                 # as above, at real-time priority (needs root)
 #   benchmarks/goal_matrix.sh --gateway W     # another tree's gateway (docs/benchmarks-proxy.md)
