@@ -129,8 +129,8 @@ class GatewayMetrics:
             "gateway_gc_sweeps_total",
             "Collections of the old generation the heap keeper ran, by what let it run.",
             ["trigger"], registry=r)
-        for trigger in ("lull", "growth"):  # both exported from the start, at 0
-            self.gc_sweeps.labels(trigger)
+        # Both bound (and so exported at 0) from the start.
+        self.gc_sweeps_by = {t: self.gc_sweeps.labels(t) for t in ("lull", "growth")}
         self.gc_frozen = Gauge(
             "gateway_gc_frozen_objects",
             "Objects in the permanent generation, which collections do not traverse.",

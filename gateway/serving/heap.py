@@ -107,7 +107,7 @@ class HeapKeeper:
         loop = asyncio.get_running_loop()
         interval = self.sweep_interval_s
         next_sweep = loop.time() + interval
-        sweeps = self.metrics.gc_sweeps
+        sweeps = self.metrics.gc_sweeps_by
         while True:
             await asyncio.sleep(self.young_interval_s)
             now = loop.time()
@@ -116,7 +116,7 @@ class HeapKeeper:
             if trigger is None:
                 gc.collect(1)
                 continue
-            sweeps.labels(trigger).inc()
+            sweeps[trigger].inc()
             if full:
                 self._full_asked = False
                 self.resettle()  # it walks the old generation too
