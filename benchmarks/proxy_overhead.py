@@ -1106,6 +1106,10 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpu))
         targets = [Target("direct", engine.url, None)]
         policies = {}
+        # The SLO the planner derives the latency guard from: the default 60 ms per token, or
+        # twice the stub's token interval when --itl-ms is longer, so the guard does not hold
+        # back an engine that is slow by the benchmark's design.
+        tpot = max(0.06, 2 * args.itl_ms / 1e3)
         for kind, fields, stages, inline, freeze, encoder, behind, renderer, client in (
                 ("floor", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "native"),
                 ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto", "native"),
@@ -1121,10 +1125,6 @@ def main(argv: list[str] | None = None) -> int:
                  "aiohttp"),
                 ("floor-aioclient", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "aiohttp")):
             policies[kind] = work / f"policy-{kind}.yaml"
-            # The SLO the planner derives the latency guard from: the default 60 ms per token,
-            # or twice the stub's token interval when --itl-ms is longer, so the guard does
-            # not hold back an engine that is slow by the benchmark's design.
-            tpot = max(0.06, 2 * args.itl_ms / 1e3)
             policies[kind].write_text(policy_text(engine.url, fields, tpot=tpot,
                                                   stages=stages, inline=inline, freeze=freeze,
                                                   encoder=encoder, behind=behind,
@@ -1132,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
         # Part D's keeping twin: the shipped gateway with a sweep due every DUE_SWEEP_S.
         policies["shipped-due"] = work / "policy-shipped-due.yaml"
         policies["shipped-due"].write_text(policy_text(
-            engine.url, SHIPPED, tpot=max(0.06, 2 * args.itl_ms / 1e3), sweep_s=DUE_SWEEP_S))
+            engine.url, SHIPPED, tpot=tpot, sweep_s=DUE_SWEEP_S))
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
                     ) -> contextlib.AbstractContextManager[Proc]:
