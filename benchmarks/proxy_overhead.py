@@ -912,7 +912,7 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
     """
     base, start_forced, start_due = start_gc_gateway
     forced_name = base + GC_SUFFIX
-    streams, itl_ms, tokens = args.streams, 20.0, 100
+    streams, itl_ms, tokens = args.streams, args.itl_ms, 100
     due_name = base + DUE_SUFFIX
     out(f"## D. Forced full GC: {streams} streams at {itl_ms:g} ms/token, {args.gc_s:g} s per "
         f"run, {args.gc_repeats} repeats; `{forced_name}` is `{base}` started with "
@@ -1003,8 +1003,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="part A: same (one prompt for all), fresh (every prompt new), seen "
                         f"(a shared {HISTORY_TURNS}-turn history, then a new question)")
     p.add_argument("--itl-ms", type=float, default=20.0,
-                   help="part A: the engine's time per token (longer for 1,000 streams, so "
-                        "the chunk rate stays one worker's)")
+                   help="parts A and D: the engine's time per token (longer for 1,000 "
+                        "streams, so the chunk rate stays one worker's)")
     p.add_argument("--targets", default="shipped,gateway,aiohttp,httpx",
                    help="proxies to run beside direct: gateway (tokenizer none: the floor), "
                         "shipped (exact tokenizer and template, admission, access log), "

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from gateway.observe.metrics import GatewayMetrics
-from gateway.serving.heap import HeapKeeper
+from gateway.serving.heap import STREAM_BLOCKS, HeapKeeper
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import free_port, http, metric, openai_client, poll_metric, scrape
 
@@ -202,12 +202,44 @@ async def test_a_due_sweep_waits_for_a_lull_or_for_growth() -> None:
             open_now[0] = 0  # the lull: it sweeps at once
             assert await _sweeps_reach(keeper, 1, within_s=5)
             assert swept("lull") == 1
-            open_now[0] = 1  # open all along from now, and memory grows past the last +50%
-            blocks[0] = 2200
+            # Open all along from now, and memory grows past the last +50% and what the one
+            # stream opened since may hold.
+            open_now[0] = 1
+            blocks[0] = 1400 * 3 // 2 + STREAM_BLOCKS + 1
             assert await _sweeps_reach(keeper, 2, within_s=5)
             assert swept("growth") == 1
             await anyio.sleep(1.0)  # flat since: the next waits again (backoff or not)
             assert keeper.sweeps == 2
+            tg.cancel_scope.cancel()
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.anyio
+async def test_a_rising_load_is_not_growth() -> None:
+    # Streams opened since the last sweep hold objects it would walk and not free: a ramp
+    # that more than doubles the blocks waits; garbage beyond the ramp's share does not.
+    gc.collect()
+    gc.unfreeze()
+    open_now = [1]
+    blocks = [100_000]
+    metrics = GatewayMetrics()
+    keeper = HeapKeeper(metrics, freeze_interval_s=0.01, sweep_interval_s=0.05,
+                        open_requests=lambda: open_now[0], sweep_growth=1.0,
+                        blocks=lambda: blocks[0])
+    try:
+        keeper.settle()  # one request open, 100,000 blocks
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keeper.run)
+            open_now[0] = 1_001  # a thousand more streams, ~250 blocks each: 3.5x
+            blocks[0] = 100_000 + 1_000 * 250
+            await anyio.sleep(0.5)  # due all along
+            assert keeper.sweeps == 0
+            # Past twice the last sweep's plus STREAM_BLOCKS per stream opened since: garbage.
+            blocks[0] = 2 * 100_000 + 1_000 * STREAM_BLOCKS + 1
+            assert await _sweeps_reach(keeper, 1, within_s=5)
+            assert metrics.registry.get_sample_value(
+                "gateway_gc_sweeps_total", {"trigger": "growth"}) == 1
             tg.cancel_scope.cancel()
     finally:
         gc.unfreeze()

@@ -349,7 +349,8 @@ class ServerSpec(Strict):
     # one (0: off, Python's own thresholds over the whole heap); the old generation is
     # collected every gc_sweep_interval_s, at a moment with no request open, or, while requests
     # stay open, once the interpreter's allocated blocks have grown gc_sweep_growth past what
-    # the last sweep left. The first key keeps its first name so policies still load.
+    # the last sweep left, beyond the share of the requests opened since. The first key keeps
+    # its first name so policies still load.
     gc_freeze_interval_s: Annotated[float, Field(ge=0)] = 0.1
     gc_sweep_interval_s: PositiveFloat = 600.0
     gc_sweep_growth: Annotated[float, Field(ge=0)] = 1.0

@@ -29,12 +29,16 @@ So the keeper splits the heap three ways:
   (`server.gc_sweep_interval_s`) waits for a moment with no request open, where it stalls
   nobody. Under load that never pauses it waits until garbage could be piling up: until the
   interpreter's allocated blocks (`sys.getallocatedblocks()`, 0.05-0.1 ms to read) have grown
-  `server.gc_sweep_growth` past what the last sweep left (by default twice as many). A steady
-  load's objects die by reference count and leave that figure flat, so no sweep stalls it; a
-  path that starts to make cycles grows it, and is swept at a bounded cost in memory (the
-  blocks are the small objects', ~280,000 at start-up as shipped). Open streams grow it
-  too, less than the default (idle to 300 streams +20%, to ~800 +68%, as shipped). A sweep
-  that finds little doubles the wait for the next (up to 16 times).
+  `server.gc_sweep_growth` past what the last sweep left (by default twice as many), beyond
+  what the requests opened since then explain (`STREAM_BLOCKS` each). A steady load's objects
+  die by reference count and leave that figure flat, so no sweep stalls it; a path that starts
+  to make cycles grows it, and is swept at a bounded cost in memory (the blocks are the small
+  objects', ~280,000 at start-up as shipped). A load that rises grows it too, with objects a
+  sweep would walk and not free (~210-240 blocks per open stream as shipped: idle to 1,200
+  streams +88-95%), so that share is not growth: without it a ramp to ~1,300 open streams
+  would run a due sweep at its peak, the costliest moment (a sweep forced at 1,200: up to
+  100 ms), to free nothing. A sweep that finds little doubles the wait for the next (up to 16
+  times).
 
 Until this split the survivors were frozen too and a sweep unfroze and walked everything,
 start-up's tables included: 25-30 ms at 300 open streams. Until the sweep waited on growth it
@@ -57,6 +61,10 @@ from gateway.observe.metrics import GatewayMetrics
 SWEEP_FOUND_RESET = 1_000  # a sweep finding this many objects in cycles resets the backoff
 SWEEP_BACKOFF_MAX = 16  # sweeps at least every 16 x gc_sweep_interval_s (~2.7 h by default)
 OLD_THRESHOLD = 2**31 - 1  # Python never collects the old generation on its own (a C int)
+# Blocks one open request may add before its share counts as growth: ~2x the 210-240 measured
+# per open chat stream as shipped (its connection's objects and the request's). Prompt text
+# and token arrays are large allocations, outside the count.
+STREAM_BLOCKS = 512
 
 
 class HeapKeeper:
@@ -71,6 +79,7 @@ class HeapKeeper:
         self.sweep_growth = sweep_growth
         self.blocks = blocks  # the interpreter's allocated memory blocks, now
         self._swept_blocks = 0  # what the last sweep (or start-up) left
+        self._swept_open = 0  # the requests open then
         self.sweeps = 0
         self._full_asked = False  # a reload retired objects frozen with start-up
         self._thresholds: tuple[int, int, int] | None = None
@@ -91,7 +100,7 @@ class HeapKeeper:
         tokenizers' tables, the policy) out of every later collection."""
         gc.collect()
         gc.freeze()
-        self._swept_blocks = self.blocks()
+        self._mark()
         # Counted here only: `gc.get_freeze_count()` walks the frozen list, one cold pointer
         # per object (4-11 ms at 67,000-103,000 objects), and nothing later adds to it.
         self.metrics.gc_frozen.set(gc.get_freeze_count())
@@ -126,15 +135,25 @@ class HeapKeeper:
                 found = self.sweep()
                 interval = self.sweep_interval_s if found >= SWEEP_FOUND_RESET else \
                     min(interval * 2, self.sweep_interval_s * SWEEP_BACKOFF_MAX)
-            self._swept_blocks = self.blocks()
+            self._mark()
             next_sweep = now + interval
+
+    def _mark(self) -> None:
+        """What a sweep (or start-up) left: later growth is measured from it."""
+        self._swept_blocks = self.blocks()
+        self._swept_open = self.open_requests()
 
     def _trigger(self) -> str | None:
         """What lets a due sweep run now: no request open, or enough growth since the last
         that garbage may be piling up; None while it should wait."""
-        if not self.open_requests():
+        open_now = self.open_requests()
+        if not open_now:
             return "lull"
-        if self.blocks() > self._swept_blocks * (1 + self.sweep_growth):
+        if self.sweep_growth == 0:
+            return "growth"  # the policy's "at once"
+        # Requests opened since the last sweep hold objects a sweep would walk, not free.
+        explained = STREAM_BLOCKS * max(0, open_now - self._swept_open)
+        if self.blocks() > self._swept_blocks * (1 + self.sweep_growth) + explained:
             return "growth"
         return None
 
