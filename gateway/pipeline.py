@@ -40,7 +40,7 @@ from gateway.inbound import Client, Headers, Inbound
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
 from gateway.policy import ModelSpec
-from gateway.prepared import Caller, Prepared, Work, is_embedding, profile_of
+from gateway.prepared import Caller, Prepared, Sent, Work, is_embedding, profile_of
 from gateway.prompts import Prompt, count_prompt
 from gateway.protocol import (
     Endpoint,
@@ -261,7 +261,7 @@ class Pipeline:
         record: Record | None = None
         ticket: Ticket | None = None
         quota: QuotaTicket | None = None
-        behind: asyncio.Task[Prepared] | None = None
+        behind: asyncio.Task[Sent] | None = None
         pending: asyncio.Future[Prompt] | None = None
         forward_start = 0.0
         refused = False  # answered with an error (and counted) before a record was made
@@ -300,13 +300,21 @@ class Pipeline:
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
                           bool(p.parsed.stream), headers,
                           strip_usage, rt.admission.on_first_byte, ticket, behind)
+            del upstream_body  # `up` holds it until an engine has it
             forward_start = asyncio.get_running_loop().time()
             forward_at = STAGE_CLOCK()
             if not up.stream:
                 # The engine's usage comes only with a whole answer: read it even if the
                 # caller leaves (bounded), or the caller could cut to dodge its quota.
                 client.linger(rt.policy.upstream.disconnect_drain_s)
-            await self._forward(p, up, relay, ticket, client.send, forward_start, behind)
+            else:
+                rt.admission.watch(ticket, relay, forward_start,
+                                   p.work.cost.expected_output_tokens)
+            sent = Sent.of(p)
+            # The stream keeps `sent`, not the request: a full collection walks what an open
+            # stream holds, for as long as it is open (tests/test_stream_holds.py).
+            del p
+            await self._forward(sent, up, relay, ticket, client.send, behind)
             if self._timed and relay.headers_at is not None:
                 self._stage["upstream_headers"](relay.headers_at - forward_at)
         except asyncio.CancelledError:
@@ -361,7 +369,7 @@ class Pipeline:
         return orjson.dumps(data), strip_usage
 
     async def _count_behind(self, p: Prepared, ticket: Ticket,
-                            headers: list[tuple[bytes, bytes]], record: Record) -> Prepared:
+                            headers: list[tuple[bytes, bytes]], record: Record) -> Sent:
         """The count of a prompt sent on its bound: its reservation booked again on it, the
         answer's headers and the access log given it."""
         assert p.prompt.pending is not None
@@ -372,37 +380,35 @@ class Pipeline:
         record.estimated_prompt_tokens = prompt.tokens
         set_header(headers, b"x-gateway-prompt-tokens", b"%d" % prompt.tokens)
         set_header(headers, b"x-gateway-cached-tokens", b"%d" % ticket.cached_tokens)
-        return counted
+        return Sent.of(counted)
 
-    async def _forward(self, p: Prepared, up: Upstream, relay: Relay, ticket: Ticket,
-                       send: Send, started: float,
-                       behind: asyncio.Task[Prepared] | None = None) -> None:
+    async def _forward(self, sent: Sent, up: Upstream, relay: Relay, ticket: Ticket,
+                       send: Send, behind: asyncio.Task[Sent] | None = None) -> None:
         rt = self.rt
         inflight = rt.metrics.pool_children(up.pool)[3]
         inflight.inc()
-        if up.stream:
-            rt.admission.watch(ticket, relay, started, p.work.cost.expected_output_tokens)
         try:
             await rt.forwarder.forward(up, relay, send, ticket.backend)
         finally:
             inflight.dec()
             if behind is not None and behind.done() and not behind.cancelled():
                 if behind.exception() is None:
-                    p = behind.result()  # what follows reads the count
+                    sent = behind.result()  # what follows reads the count
                 else:  # the bound stays booked: the safe side
                     log.error("counting request %s behind failed: %r", up.request_id,
                               behind.exception())
             if relay.response_id is not None and relay.backend is not None \
-                    and p.data.get("store") is not False:
+                    and sent.store:
                 # Where it is stored, and what its conversation now costs the next turn.
-                tokens = (relay.prompt_tokens or p.prompt.tokens) + (relay.completion_tokens or 0)
+                tokens = (relay.prompt_tokens or sent.prompt_tokens) + \
+                    (relay.completion_tokens or 0)
                 await rt.affinity.remember(relay.response_id,
                                            Held(up.pool, relay.backend.name, tokens))
-            self._learn(p, relay)
+            self._learn(sent, relay)
             rt.admission.prefix.observed(ticket, relay.prompt_tokens, relay.cached_tokens)
-            used = usage_of(p.endpoint, up.stream, p.prompt.tokens, relay)
+            used = usage_of(sent.endpoint, up.stream, sent.prompt_tokens, relay)
             if used is not None:
-                rt.accountant.record(up.pool, p.caller.tenant.name, *used, profile_of(p.model),
+                rt.accountant.record(up.pool, sent.tenant, *used, profile_of(sent.model),
                                      rt.backends.pools_inflight(up.pool))
 
     async def _refused(self, inbound: Inbound, client: Client, record: Record | None,
@@ -421,18 +427,19 @@ class Pipeline:
 
     # observe ----------------------------------------------------------------------------------
 
-    def _learn(self, p: Prepared, relay: Relay) -> None:
+    def _learn(self, sent: Sent, relay: Relay) -> None:
         """Feed completed requests back: output lengths, and the char ratio of `none`
         tokenizers."""
         if relay.status != 200:
             return
         rt = self.rt
         if relay.completion_tokens is not None:
-            rt.output_lengths[p.model.name].observe(relay.completion_tokens)
-        if not p.prompt.exact and relay.prompt_tokens and p.prompt.chars:
-            error = rt.counters[p.model.name].tokenizer.observe(p.prompt.chars,
-                                                                relay.prompt_tokens)
-            rt.metrics.child(rt.metrics.token_estimate_error, p.model.name).observe(abs(error))
+            rt.output_lengths[sent.model.name].observe(relay.completion_tokens)
+        if not sent.exact and relay.prompt_tokens and sent.chars:
+            error = rt.counters[sent.model.name].tokenizer.observe(sent.chars,
+                                                                   relay.prompt_tokens)
+            rt.metrics.child(rt.metrics.token_estimate_error, sent.model.name).observe(
+                abs(error))
 
     def observe(self, record: Record, gone: bool, forward_start: float) -> None:
         rt = self.rt

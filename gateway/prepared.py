@@ -80,6 +80,27 @@ class Prepared:
                    session=self.session)
 
 
+@record
+class Sent:
+    """What the pipeline reads of a request once its answer is over (usage, learning, where a
+    stored response lives): all a stream keeps of it. The whole `Prepared` (its parsed body,
+    messages, cost, prompt hashes) would be walked by every full collection for the stream's
+    life, and a long prompt makes it hundreds of kilobytes."""
+
+    endpoint: Endpoint
+    model: ModelSpec
+    tenant: str
+    prompt_tokens: int
+    exact: bool  # the prompt counted by the model's tokenizer, not estimated
+    chars: int
+    store: bool  # the caller did not ask `store: false`: its response id is remembered
+
+    @classmethod
+    def of(cls, p: Prepared) -> Sent:
+        return cls(p.endpoint, p.model, p.caller.tenant.name, p.prompt.tokens, p.prompt.exact,
+                   p.prompt.chars, p.data.get("store") is not False)
+
+
 def profile_of(model: ModelSpec) -> ModelProfile:
     return model.architecture.resolve() if model.architecture else get_model(_FALLBACK_PROFILE)
 

@@ -32,7 +32,6 @@ from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError
 from gateway.http1 import EnginePool, Response, Target, target_of
 from gateway.protocol import error_body, sse_error_frame
-from gateway.records import record
 from gateway.routing import Router
 from gateway.serving.heap import forget
 from gateway.silence import NOT_WAITING, Silences
@@ -66,13 +65,15 @@ class ClientGone(Exception):
     """The caller disconnected; nothing more can be sent."""
 
 
-@record
+@dataclass(slots=True)
 class Upstream:
     """What to send an engine, and what to add to its answer; the pipeline's to build."""
 
     request_id: str
     endpoint: str
     pool: str
+    # Emptied once an engine has answered (`Forwarder.forward`): a long prompt's bytes are
+    # not held for its stream's life.
     body: bytes
     stream: bool
     response_headers: list[tuple[bytes, bytes]]
@@ -165,6 +166,7 @@ class Forwarder:
                 if resp is None:  # connect failure: nothing reached the engine; try another
                     last_error = f"`{backend.name}`: {failure}"
                     continue
+                up.body = b""  # it has the request: nothing sends it again
                 try:
                     await self._relay(up, ex, backend, resp, send)
                 finally:  # not `async with`: its bound __aexit__ lived as long as the stream

@@ -249,7 +249,7 @@ class ConnectionLimits:
     keep_alive_timeout_s: float = 75.0
 
 
-def _config(app: Any, host: str, port: int, max_concurrency: int | None,
+def server_config(app: Any, host: str, port: int, max_concurrency: int | None,
             limits: ConnectionLimits) -> uvicorn.Config:
     protocol = type("GatewayHttpProtocol", (BoundedHttpToolsProtocol,),
                     {"max_header_bytes": limits.max_header_bytes,
@@ -271,10 +271,10 @@ def run(app: Any, host: str, port: int, *, limits: ConnectionLimits,
         admin_host: str = "127.0.0.1", admin_port: int | None = None,
         on_sighup: Any | None = None, sockets: list[socket.socket] | None = None) -> None:
     """Serve until SIGTERM/SIGINT; `sockets`: listen on these (bound by serving/workers.py)."""
-    main = uvicorn.Server(_config(app, host, port, max_concurrency, limits))
+    main = uvicorn.Server(server_config(app, host, port, max_concurrency, limits))
     servers = [main]
     if admin_app is not None and admin_port is not None:
-        admin = uvicorn.Server(_config(admin_app, admin_host, admin_port, 64, limits))
+        admin = uvicorn.Server(server_config(admin_app, admin_host, admin_port, 64, limits))
         admin.config.lifespan = "off"
         servers.append(admin)
 
