@@ -39,6 +39,12 @@ def test_the_request_path_records_are_records() -> None:
     from gateway.proxy import Upstream
     from gateway.state.base import Lease
 
-    for cls in (Decision, Inbound, Upstream, Lease):
+    for cls in (Decision, Inbound, Lease):
         params = cls.__dataclass_params__  # type: ignore[attr-defined]
         assert not params.frozen and params.unsafe_hash and "__slots__" in vars(cls)
+    # Upstream is not a record: its body is emptied once an engine has answered (a long
+    # prompt's bytes are not held for its stream's life), so it is a mutable slots dataclass,
+    # and unhashable, so nothing can key a dict on a value that changes.
+    params = Upstream.__dataclass_params__  # type: ignore[attr-defined]
+    assert not params.frozen and not params.unsafe_hash and "__slots__" in vars(Upstream)
+    assert Upstream.__hash__ is None
