@@ -179,18 +179,9 @@ async def test_a_reload_asks_for_a_pass_that_walks_the_frozen_too() -> None:
 async def test_a_due_sweep_waits_for_a_lull_or_for_growth() -> None:
     # A sweep stalls every open stream (5-20 ms at 300): under a load that never pauses it
     # waits as long as memory stays flat, and runs once it has grown past the policy's share.
-    gc.collect()
-    gc.unfreeze()
     open_now = [1]
     blocks = [1000]
-    metrics = GatewayMetrics()
-    keeper = HeapKeeper(metrics, freeze_interval_s=0.01, sweep_interval_s=0.2,
-                        open_requests=lambda: open_now[0], sweep_growth=0.5,
-                        blocks=lambda: blocks[0])
-
-    def swept(trigger: str) -> float:
-        return metrics.registry.get_sample_value(
-            "gateway_gc_sweeps_total", {"trigger": trigger}) or 0.0
+    keeper = _fed_keeper(open_now, blocks, sweep_interval_s=0.2, sweep_growth=0.5)
 
     try:
         keeper.settle()  # what start-up left: 1,000 blocks
@@ -201,13 +192,13 @@ async def test_a_due_sweep_waits_for_a_lull_or_for_growth() -> None:
             assert keeper.sweeps == 0
             open_now[0] = 0  # the lull: it sweeps at once
             assert await _sweeps_reach(keeper, 1, within_s=5)
-            assert swept("lull") == 1
+            assert _swept(keeper, "lull") == 1
             # Open all along from now, and memory grows past the last +50% and what the one
             # stream opened since may hold.
             open_now[0] = 1
             blocks[0] = 1400 * 3 // 2 + STREAM_BLOCKS + 1
             assert await _sweeps_reach(keeper, 2, within_s=5)
-            assert swept("growth") == 1
+            assert _swept(keeper, "growth") == 1
             await anyio.sleep(1.0)  # flat since: the next waits again (backoff or not)
             assert keeper.sweeps == 2
             tg.cancel_scope.cancel()
@@ -219,14 +210,9 @@ async def test_a_due_sweep_waits_for_a_lull_or_for_growth() -> None:
 async def test_a_rising_load_is_not_growth() -> None:
     # Streams opened since the last sweep hold objects it would walk and not free: a ramp
     # that more than doubles the blocks waits; garbage beyond the ramp's share does not.
-    gc.collect()
-    gc.unfreeze()
     open_now = [1]
     blocks = [100_000]
-    metrics = GatewayMetrics()
-    keeper = HeapKeeper(metrics, freeze_interval_s=0.01, sweep_interval_s=0.05,
-                        open_requests=lambda: open_now[0], sweep_growth=1.0,
-                        blocks=lambda: blocks[0])
+    keeper = _fed_keeper(open_now, blocks, sweep_interval_s=0.05, sweep_growth=1.0)
     try:
         keeper.settle()  # one request open, 100,000 blocks
         async with anyio.create_task_group() as tg:
@@ -238,11 +224,26 @@ async def test_a_rising_load_is_not_growth() -> None:
             # Past twice the last sweep's plus STREAM_BLOCKS per stream opened since: garbage.
             blocks[0] = 2 * 100_000 + 1_000 * STREAM_BLOCKS + 1
             assert await _sweeps_reach(keeper, 1, within_s=5)
-            assert metrics.registry.get_sample_value(
-                "gateway_gc_sweeps_total", {"trigger": "growth"}) == 1
+            assert _swept(keeper, "growth") == 1
             tg.cancel_scope.cancel()
     finally:
         gc.unfreeze()
+
+
+def _fed_keeper(open_now: list[int], blocks: list[int], *, sweep_interval_s: float,
+                sweep_growth: float) -> HeapKeeper:
+    """A running keeper's view of the process fed from the test: the requests open now
+    (`open_now[0]`) and the allocated blocks (`blocks[0]`), from an unfrozen heap."""
+    gc.collect()
+    gc.unfreeze()
+    return HeapKeeper(GatewayMetrics(), freeze_interval_s=0.01,
+                      sweep_interval_s=sweep_interval_s, open_requests=lambda: open_now[0],
+                      sweep_growth=sweep_growth, blocks=lambda: blocks[0])
+
+
+def _swept(keeper: HeapKeeper, trigger: str) -> float:
+    return keeper.metrics.registry.get_sample_value(
+        "gateway_gc_sweeps_total", {"trigger": trigger}) or 0.0
 
 
 async def _sweeps_reach(keeper: HeapKeeper, n: int, within_s: float) -> bool:
