@@ -29,10 +29,9 @@ from gateway.pipeline import Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
-from gateway.serving.server import DISCONNECT_EXTENSION, DisconnectNotice
+from gateway.serving.http_protocol import DISCONNECT_KEY, DisconnectNotice
 
 _JSON = (b"content-type", b"application/json")
-_NO_EXTENSIONS: Mapping[str, Any] = {}
 _ID_PREFIX = os.urandom(4).hex()
 _ids = itertools.count(1)
 _READ_HEADERS = frozenset({b"x-request-id", b"x-priority", b"authorization",
@@ -123,7 +122,7 @@ class AsgiClient:
     def watch(self) -> None:
         """From here on (the body is read) a disconnect cancels the request's task at once,
         so a caller leaving while it waits in the queue or on the engine frees its place.
-        The gateway's own server says so itself (gateway/serving/server.py); under any other
+        The gateway's own server says so itself (gateway/serving/http_protocol.py); under any other
         ASGI server a task waits on `receive()` for `http.disconnect`."""
         if self._notice is not None:
             self._notice.watch(self)
@@ -200,7 +199,7 @@ class CompletionsEndpoint(PipelineEndpoint):
         pipeline = self.pipeline()
         request = inbound(scope, self.endpoint)
         client = AsgiClient(receive, send, request.headers, request.request_id,
-                            scope.get("extensions", _NO_EXTENSIONS).get(DISCONNECT_EXTENSION))
+                            scope.get(DISCONNECT_KEY))
         return pipeline.serve(request, client, watch=True)
 
 
