@@ -1,0 +1,297 @@
+"""The gateway's own HTTP/1.1 protocol (gateway/serving/http_protocol.py) as ASGI apps see it:
+keep-alive, pipelining, Expect: 100-continue, HEAD, request bodies chunked and past the read
+buffer, flow control toward a slow reader, disconnects, and apps that fail.
+
+A small ASGI app stands in for the gateway, served by uvicorn's `Server` over the protocol on a
+loopback socket in this process, and raw sockets talk to it: the point is the bytes on the wire.
+The gateway's own routes through the same protocol are tested everywhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from gateway.serving.http_protocol import DISCONNECT_KEY, Exchange, HttpProtocol
+from gateway.serving.server import ConnectionLimits, server_config
+from tests.servers import free_port
+
+BIG = 4 * 1024 * 1024
+
+
+class App:
+    """Answers by path; remembers what it saw."""
+
+    def __init__(self) -> None:
+        self.lost = asyncio.Event()
+        self.saw_disconnect = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/boom":
+            raise RuntimeError("a bug")
+        if path == "/silent":
+            return
+        if path == "/echo":
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if path == "/big":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"%d" % BIG)]})
+            for _ in range(BIG // 65536):
+                await send({"type": "http.response.body", "body": b"x" * 65536,
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/hold":
+            # A stream that lasts until its caller leaves, told by the notice.
+            notice: Exchange = scope[DISCONNECT_KEY]
+            app = self
+
+            class Listener:
+                def lost(self) -> None:
+                    app.lost.set()
+
+            notice.watch(Listener())
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass  # the (empty) body, then nothing until the caller leaves
+            self.saw_disconnect.set()
+            return
+        # A stream of three events, chunked.
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        if path == "/half":
+            await send({"type": "http.response.body", "body": b"data: 1\n\n",
+                        "more_body": True})
+            raise RuntimeError("a bug mid-stream")
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i,
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[App, int]]:
+    app = App()
+    port = free_port()
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, None,
+                                          ConnectionLimits(keep_alive_timeout_s=5.0)))
+    server.config.lifespan = "off"
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    assert server.started
+    try:
+        yield app, port
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def reply(reader: asyncio.StreamReader, head_only: bool = False
+                ) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One response: status, headers, body (by content-length or chunked)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status_line, *lines = head[:-4].split(b"\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(b":", 1) for h in lines)}
+    if head_only:
+        return int(status_line.split()[1]), headers, b""
+    if b"content-length" in headers:
+        body = await asyncio.wait_for(reader.readexactly(int(headers[b"content-length"])), 10)
+    else:
+        body = b""
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10))[:-2], 16)
+            data = await asyncio.wait_for(reader.readexactly(size + 2), 10)
+            if size == 0:
+                break
+            body += data[:-2]
+    return int(status_line.split()[1]), headers, body
+
+
+def get(path: str, extra: bytes = b"") -> bytes:
+    return b"GET %s HTTP/1.1\r\nhost: x\r\n%s\r\n" % (path.encode(), extra)
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        path.encode(), len(body), extra, body)
+
+
+@pytest.mark.anyio
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order(
+        served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(post("/echo", b"one"))
+    assert (await reply(reader))[::2] == (200, b"one")
+    # Three at once: each waits for the answer before it.
+    writer.write(post("/echo", b"two") + get("/stream") + post("/echo", b"three"))
+    assert (await reply(reader))[::2] == (200, b"two")
+    status, headers, body = await reply(reader)
+    assert (status, headers[b"transfer-encoding"], body) == \
+        (200, b"chunked", b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
+    assert (await reply(reader))[::2] == (200, b"three")
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_request_bodies_chunked_and_past_the_read_buffer(served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    assert (await reply(reader))[::2] == (200, b"abcde")
+    large = bytes(range(256)) * 1024  # 256 KiB: reading pauses past 64 KiB until taken
+    writer.write(post("/echo", large))
+    assert (await reply(reader))[::2] == (200, large)
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_expect_100_continue_is_answered_when_the_app_reads(
+        served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+                 b"expect: 100-continue\r\n\r\n")
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    assert (await reply(reader))[::2] == (200, b"hello")
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_head_gets_the_head_alone(served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(b"HEAD /stream HTTP/1.1\r\nhost: x\r\n\r\n" + post("/echo", b"after"))
+    status, headers, _ = await reply(reader, head_only=True)
+    assert status == 200 and b"transfer-encoding" not in headers
+    # Nothing of a body followed: the next bytes are the next answer.
+    assert (await reply(reader))[::2] == (200, b"after")
+    writer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/boom", "/silent"])
+async def test_an_app_that_fails_before_answering_gets_a_500_in_openais_shape(
+        served: tuple[App, int], path: str) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(get(path))
+    status, headers, body = await reply(reader)
+    assert status == 500 and headers[b"connection"] == b"close"
+    assert json.loads(body)["error"]["type"] == "server_error"
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # and the connection is closed
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_an_app_that_fails_mid_stream_cuts_the_connection(
+        served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(get("/half"))
+    rest = await asyncio.wait_for(reader.read(), 10)
+    assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and b"data: 1" in rest
+    assert not rest.endswith(b"0\r\n\r\n")  # no end of the chunked body: the caller can tell
+    writer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nbad header\r\n\r\n"])
+async def test_a_malformed_request_gets_a_400_in_openais_shape(served: tuple[App, int],
+                                                               raw: bytes) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(raw)
+    status, _, body = await reply(reader)
+    assert status == 400
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_an_upgrade_is_answered_as_http_1_1_and_the_connection_closed(
+        served: tuple[App, int]) -> None:
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(get("/stream", b"connection: upgrade\r\nupgrade: websocket\r\n"))
+    status, headers, body = await reply(reader)
+    assert (status, body) == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
+    assert headers[b"connection"] == b"close"
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_a_slow_reader_gets_every_byte(served: tuple[App, int]) -> None:
+    # The app writes faster than the caller reads: its sends wait (flow control) rather than
+    # buffer the whole answer, and nothing is lost.
+    _, port = served
+    reader, writer = await connect(port)
+    writer.write(get("/big"))
+    await asyncio.sleep(0.3)  # the socket buffers fill; the app's sends are waiting
+    status, _, body = await reply(reader)
+    assert status == 200 and len(body) == BIG and body.count(b"x") == BIG
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_a_caller_leaving_is_told_to_the_notice_and_to_receive(
+        served: tuple[App, int]) -> None:
+    app, port = served
+    reader, writer = await connect(port)
+    writer.write(get("/hold"))
+    await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 10)
+    writer.close()
+    await asyncio.wait_for(app.lost.wait(), 10)
+    await asyncio.wait_for(app.saw_disconnect.wait(), 10)
+
+
+@pytest.mark.anyio
+async def test_served_requests_leave_no_cycles_behind(served: tuple[App, int]) -> None:
+    # A full collection is the only way out for objects in a reference cycle, and every open
+    # stream waits for it: a request's objects must go by reference count when it ends.
+    _, port = served
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            reader, writer = await connect(port)
+            writer.write(post("/echo", b"x") + get("/stream"))
+            await reply(reader)
+            await reply(reader)
+            writer.close()
+            await writer.wait_closed()
+        await asyncio.sleep(0.2)  # the server sees the connections go
+        left = [o for o in gc.get_objects() if isinstance(o, (Exchange, HttpProtocol))]
+        assert left == []
+    finally:
+        gc.enable()
