@@ -35,7 +35,6 @@ import errno as errnos
 
 import aiohttp
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 # The engine's socket is paused when this much of its answer waits for the caller, and read
@@ -112,22 +111,24 @@ def _header_value(value: str) -> bytes:
 
 class Body:
     """An answer's body as the engine sends it: aiohttp's StreamReader calls the relay uses
-    (`readany`, `read`, `set_exception`), over a deque the protocol feeds."""
+    (`readany`, `read`, `set_exception`), over a buffer the protocol feeds.
 
-    __slots__ = ("_buffer", "_conn", "_eof", "_exc", "_size", "_waiter")
+    The buffer is a bytearray, which the collector does not track, rather than a deque of the
+    pieces, which it would walk at every sweep for as long as the stream is open. A stream's
+    reads take one event at a time, so the copy out is of a few hundred bytes."""
+
+    __slots__ = ("_buffer", "_conn", "_eof", "_exc", "_waiter")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._buffer: collections.deque[bytes] = collections.deque()
-        self._size = 0
+        self._buffer = bytearray()
         self._eof = False
         self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bytes] | None = None
 
     def feed(self, data: bytes) -> None:
-        self._buffer.append(data)
-        self._size += len(data)
-        if self._size > HIGH_WATER:
+        self._buffer += data
+        if len(self._buffer) > HIGH_WATER:
             self._conn.pause()
         self._wake()
 
@@ -147,26 +148,30 @@ class Body:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+            if not waiter.done():  # else its reader was cancelled: what came stays
+                self._settle(waiter)
 
-    async def readany(self) -> bytes:
-        """What has come since the last read (b"" at the end); waits for something."""
-        while not self._buffer:
-            if self._exc is not None:
-                raise self._exc
-            if self._eof:
-                return b""
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
-        self._buffer.clear()
-        self._size = 0
-        self._conn.resume()
-        return data
+    def readany(self) -> asyncio.Future[bytes]:
+        """What has come since the last read (b"" at the end), once something has. A future
+        rather than a coroutine: a stream waiting for its next event holds the one object,
+        not a coroutine as well, for the collector's sweep to walk."""
+        answer: asyncio.Future[bytes] = self._conn.loop.create_future()
+        if self._buffer or self._exc is not None or self._eof:
+            self._settle(answer)
+        else:
+            self._waiter = answer
+        return answer
+
+    def _settle(self, answer: asyncio.Future[bytes]) -> None:
+        if self._buffer:
+            data = bytes(self._buffer)
+            self._buffer.clear()
+            self._conn.resume()
+            answer.set_result(data)
+        elif self._exc is not None:
+            answer.set_exception(self._exc)
+        else:
+            answer.set_result(b"")
 
     async def read(self) -> bytes:
         parts: list[bytes] = []
@@ -182,10 +187,13 @@ class Response:
 
     __slots__ = ("_released", "connection", "content", "headers", "status")
 
-    def __init__(self, conn: Connection, status: int, headers: CIMultiDict[str]) -> None:
+    def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
         self.connection = conn  # `.protocol` is the connection itself (gateway/silence.py)
         self.status = status
-        self.headers = CIMultiDictProxy(headers)
+        # Names in lower case, the first of a repeated header: what `.get` of aiohttp's
+        # case-insensitive multidict gives. A dict of strings is not tracked by the
+        # collector; the multidict and its proxy were two objects more per open stream.
+        self.headers = headers
         self.content = Body(conn)
         self._released = False
 
@@ -229,7 +237,7 @@ class Connection(asyncio.Protocol):
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._answer: asyncio.Future[Response] | None = None
         self._response: Response | None = None
-        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._headers: dict[str, str] = {}
         self._framed = False  # the answer has a length or is chunked (else: read to close)
         self._complete = False
         self._keep = False
@@ -277,7 +285,7 @@ class Connection(asyncio.Protocol):
         self._active = True
         self._answer = self.loop.create_future()
         self._response = None
-        self._headers = CIMultiDict()
+        self._headers = {}
         self._framed = self._complete = self._keep = False
         self._timeout = read_timeout
         self._last_read = self.loop.time()
@@ -367,13 +375,13 @@ class Connection(asyncio.Protocol):
     # --- httptools ----------------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        self._headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
         assert self._parser is not None
         status = self._parser.get_status_code()
         if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the next
-            self._headers = CIMultiDict()
+            self._headers = {}
             return
         headers = self._headers
         self._framed = "content-length" in headers or \
