@@ -24,8 +24,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
@@ -41,9 +42,10 @@ from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
 from gateway.http1 import EnginePool
 from gateway.observe.metrics import GatewayMetrics
+from gateway.pipeline import Gate
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.prefix.precise import PreciseEvents
-from gateway.protocol import error_body, error_type, retry_headers
+from gateway.protocol import error_type
 from gateway.runtime import Runtime, build_runtime, load_counters, make_engine_pool, make_session
 from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
@@ -85,14 +87,13 @@ class GatewayApp:
         self._tasks_debug: asyncio.Task[None] | None = None
         self._heap: HeapKeeper | None = None
         self._reload_lock = asyncio.Lock()
-        self._active = 0
-        self.max_active = policy.server.max_concurrent_requests
-        get = self._runtime
+        self.gate = Gate(policy.server.max_concurrent_requests)
+        get, gate = self._runtime, self.gate
         self.fast: dict[str, CompletionsEndpoint] = {
-            "/v1/chat/completions": CompletionsEndpoint("chat", get),
-            "/v1/completions": CompletionsEndpoint("completions", get),
-            "/v1/responses": CompletionsEndpoint("responses", get),
-            "/v1/embeddings": CompletionsEndpoint("embeddings", get),
+            "/v1/chat/completions": CompletionsEndpoint("chat", get, gate),
+            "/v1/completions": CompletionsEndpoint("completions", get, gate),
+            "/v1/responses": CompletionsEndpoint("responses", get, gate),
+            "/v1/embeddings": CompletionsEndpoint("embeddings", get, gate),
         }
         routes = [
             # Reached only for other methods (the fast path takes POST): answers 405.
@@ -132,19 +133,19 @@ class GatewayApp:
         return self.runtime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI 3, for any server."""
+        await self.handle(scope, receive, send)
+
+    def handle(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """ASGI 3 as the gateway's own server calls it (gateway/commands/serve.py): not a
+        coroutine of its own, it hands back the endpoint's (the pipeline's `serve`, which
+        counts it in the gate) or Starlette's. One coroutine fewer held by every open stream,
+        and with it the scope (gateway/serving/heap.py)."""
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast.get(scope["path"])
             if endpoint is not None:
-                if self._active >= self.max_active:
-                    await _busy(send)  # answer at once rather than queue without bound
-                    return
-                self._active += 1
-                try:
-                    await endpoint(scope, receive, send)
-                finally:
-                    self._active -= 1
-                return
-        await self.starlette(scope, receive, send)
+                return endpoint(scope, receive, send)
+        return self.starlette(scope, receive, send)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -163,8 +164,9 @@ class GatewayApp:
         lag = asyncio.create_task(_watch_loop_lag(self.metrics), name="loop-lag")
         self.metrics.install_gc_callback()
         server = self.policy.server
+        gate = self.gate
         heap = HeapKeeper(self.metrics, server.gc_freeze_interval_s, server.gc_sweep_interval_s,
-                          lambda: self._active, server.gc_sweep_growth)
+                          lambda: gate.open, server.gc_sweep_growth)
         heap.settle()
         heap.install()
         self._heap = heap
@@ -173,7 +175,7 @@ class GatewayApp:
             # Only while requests are open: an idle benchmark gateway beside the one measured
             # (same CPU) would otherwise stall it with sweeps of its own heap.
             self._tasks_debug = asyncio.create_task(
-                _every(gc_every, lambda: self._active and heap.sweep()), name="gc")
+                _every(gc_every, lambda: gate.open and heap.sweep()), name="gc")
         keeper = asyncio.create_task(heap.run(), name="heap")
         log.info("gateway ready: %d pool(s), %d backend(s)", len(rt.backends.pools),
                  sum(1 for _ in rt.backends.all()))
@@ -224,7 +226,7 @@ class GatewayApp:
         old_tasks = self._tasks
         self.runtime = rt
         self.policy = rt.policy
-        self.max_active = rt.policy.server.max_concurrent_requests
+        self.gate.cap = rt.policy.server.max_concurrent_requests
         sig = rt.policy.signals
         self._tasks = [
             asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),
@@ -323,7 +325,7 @@ async def _every(period_s: float, fn: Callable[[], object]) -> None:
 async def _retire(task: asyncio.Task[None], rt: Runtime, heap: HeapKeeper | None) -> None:
     """Stop a replaced runtime's admission ticks once nothing runs or waits through it."""
     # A rare, slow poll: no event marks "the last request of an old runtime is done".
-    while rt.admission.live or any(len(p.queue) for p in rt.admission.pools.values()):  # noqa: ASYNC110
+    while rt.admission.leases_live() or any(len(p.queue) for p in rt.admission.pools.values()):  # noqa: ASYNC110
         await asyncio.sleep(0.5)
     task.cancel()
     if heap is not None:  # the old runtime was frozen with start-up: only a full pass frees it
@@ -340,18 +342,6 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
         observe(max(0.0, loop.time() - start - LAG_INTERVAL_S))
         metrics.flush_gc_pauses()  # noted by the GC callback, which must not observe itself
         metrics.flush_batched()  # the request path's stage counts (gateway/observe/batched.py)
-
-
-_BUSY = error_body("The gateway is handling as many requests as it is configured to; "
-                   "retry shortly.", error_type(503), None, "server_busy")
-# A slot frees as soon as any request ends: a transient refusal, worth the SDK's retry.
-_BUSY_HEADERS = [(b"content-type", b"application/json"), *retry_headers(1.0),
-                 (b"content-length", str(len(_BUSY)).encode())]
-
-
-async def _busy(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 503, "headers": _BUSY_HEADERS})
-    await send({"type": "http.response.body", "body": _BUSY, "more_body": False})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

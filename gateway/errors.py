@@ -113,6 +113,10 @@ class Overloaded(Refusal):
     code = "overloaded"
 
 
+class ServerBusy(Overloaded):
+    code = "server_busy"
+
+
 class NoBackendAvailable(Overloaded):
     code = "no_healthy_backend"
 

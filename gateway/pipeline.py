@@ -35,7 +35,7 @@ from gateway.admission.prefixes import hash_block_size
 from gateway.affinity import Held
 from gateway.cost import CostModel, PromptTooLong, RequestCostError
 from gateway.eager import finish
-from gateway.errors import GatewayError, InternalError, InvalidRequest, UpstreamError
+from gateway.errors import GatewayError, InternalError, InvalidRequest, ServerBusy, UpstreamError
 from gateway.inbound import Client, Headers, Inbound
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import Record, charge_of, usage_of
@@ -52,7 +52,7 @@ from gateway.protocol import (
     parse_request,
     set_header,
 )
-from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Send, Upstream
+from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
@@ -64,6 +64,19 @@ log = logging.getLogger("gateway.api")
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 # --- the pipeline -------------------------------------------------------------------------------
+
+class Gate:
+    """The requests this process is serving, and how many it may (`server.
+    max_concurrent_requests`): past that one is answered 503 at once rather than queued
+    without bound. Counted in `serve` itself, not by a coroutine around it: one fewer held by
+    every open stream (gateway/serving/heap.py)."""
+
+    __slots__ = ("cap", "open")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open = 0
+
 
 class Pipeline:
     """The stages over one runtime (the policy in force and what it built)."""
@@ -253,10 +266,11 @@ class Pipeline:
     # serve: quota -> admit -> forward -> observe -> release -----------------------------------
 
     async def serve(self, inbound: Inbound, client: Client,
-                    watch: bool = False) -> None:
+                    watch: bool = False, gate: Gate | None = None) -> None:
         """The whole request. Whatever ends it (an answer, a refusal, the caller leaving, an
         engine failing, a bug), its reservation and quota are released and it is observed;
-        the caller gets an answer in OpenAI's error shape for anything but a full answer."""
+        the caller gets an answer in OpenAI's error shape for anything but a full answer.
+        `gate`: counted in it while served, and refused if it is full."""
         rt = self.rt
         record: Record | None = None
         ticket: Ticket | None = None
@@ -266,7 +280,12 @@ class Pipeline:
         forward_start = 0.0
         refused = False  # answered with an error (and counted) before a record was made
         task = asyncio.current_task()
+        if gate is not None:
+            gate.open += 1  # then at once into the `try` whose `finally` uncounts it
         try:
+            if gate is not None and gate.open > gate.cap:
+                raise ServerBusy("The gateway is handling as many requests as it is "
+                                 "configured to; retry shortly.", retry_after_s=1.0)
             p = await self.prepare(inbound, client, watch, timed=True)
             pending = p.prompt.pending
             if pending is not None and rt.quotas.applies(p.caller.tenant):
@@ -300,7 +319,7 @@ class Pipeline:
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
                           bool(p.parsed.stream), headers,
                           strip_usage, rt.admission.on_first_byte, ticket, behind)
-            del upstream_body  # `up` holds it until an engine has it
+            del upstream_body, headers  # `up` holds them: the body until sent, the headers too
             forward_start = asyncio.get_running_loop().time()
             forward_at = STAGE_CLOCK()
             if not up.stream:
@@ -314,7 +333,15 @@ class Pipeline:
             # The stream keeps `sent`, not the request: a full collection walks what an open
             # stream holds, for as long as it is open (tests/test_stream_holds.py).
             del p
-            await self._forward(sent, up, relay, ticket, client.send, behind)
+            # Forwarded from here, not from a coroutine of its own: one fewer held by every
+            # open stream for the collector's sweep to walk (gateway/serving/heap.py).
+            inflight = rt.metrics.pool_children(up.pool)[3]
+            inflight.inc()
+            try:
+                await rt.forwarder.forward(up, relay, client.send, ticket.backend)
+            finally:
+                inflight.dec()
+                await self._forwarded(sent, up, relay, ticket, behind)
             if self._timed and relay.headers_at is not None:
                 self._stage["upstream_headers"](relay.headers_at - forward_at)
         except asyncio.CancelledError:
@@ -333,6 +360,8 @@ class Pipeline:
             await self._refused(inbound, client, record, InternalError(
                 f"Internal gateway error (request id {inbound.request_id})."))
         finally:
+            if gate is not None:
+                gate.open -= 1
             client.detach()
             for job in (behind, pending):  # a count no one will read (its rebooking goes on)
                 if job is not None and not job.done():
@@ -382,34 +411,28 @@ class Pipeline:
         set_header(headers, b"x-gateway-cached-tokens", b"%d" % ticket.cached_tokens)
         return Sent.of(counted)
 
-    async def _forward(self, sent: Sent, up: Upstream, relay: Relay, ticket: Ticket,
-                       send: Send, behind: asyncio.Task[Sent] | None = None) -> None:
+    async def _forwarded(self, sent: Sent, up: Upstream, relay: Relay, ticket: Ticket,
+                         behind: asyncio.Task[Sent] | None = None) -> None:
+        """What the engine's answer teaches, whatever ended it: the stored response's place,
+        output lengths, the prefix index, the cost accountant."""
         rt = self.rt
-        inflight = rt.metrics.pool_children(up.pool)[3]
-        inflight.inc()
-        try:
-            await rt.forwarder.forward(up, relay, send, ticket.backend)
-        finally:
-            inflight.dec()
-            if behind is not None and behind.done() and not behind.cancelled():
-                if behind.exception() is None:
-                    sent = behind.result()  # what follows reads the count
-                else:  # the bound stays booked: the safe side
-                    log.error("counting request %s behind failed: %r", up.request_id,
-                              behind.exception())
-            if relay.response_id is not None and relay.backend is not None \
-                    and sent.store:
-                # Where it is stored, and what its conversation now costs the next turn.
-                tokens = (relay.prompt_tokens or sent.prompt_tokens) + \
-                    (relay.completion_tokens or 0)
-                await rt.affinity.remember(relay.response_id,
-                                           Held(up.pool, relay.backend.name, tokens))
-            self._learn(sent, relay)
-            rt.admission.prefix.observed(ticket, relay.prompt_tokens, relay.cached_tokens)
-            used = usage_of(sent.endpoint, up.stream, sent.prompt_tokens, relay)
-            if used is not None:
-                rt.accountant.record(up.pool, sent.tenant, *used, profile_of(sent.model),
-                                     rt.backends.pools_inflight(up.pool))
+        if behind is not None and behind.done() and not behind.cancelled():
+            if behind.exception() is None:
+                sent = behind.result()  # what follows reads the count
+            else:  # the bound stays booked: the safe side
+                log.error("counting request %s behind failed: %r", up.request_id,
+                          behind.exception())
+        if relay.response_id is not None and relay.backend is not None and sent.store:
+            # Where it is stored, and what its conversation now costs the next turn.
+            tokens = (relay.prompt_tokens or sent.prompt_tokens) + (relay.completion_tokens or 0)
+            await rt.affinity.remember(relay.response_id,
+                                       Held(up.pool, relay.backend.name, tokens))
+        self._learn(sent, relay)
+        rt.admission.prefix.observed(ticket, relay.prompt_tokens, relay.cached_tokens)
+        used = usage_of(sent.endpoint, up.stream, sent.prompt_tokens, relay)
+        if used is not None:
+            rt.accountant.record(up.pool, sent.tenant, *used, profile_of(sent.model),
+                                 rt.backends.pools_inflight(up.pool))
 
     async def _refused(self, inbound: Inbound, client: Client, record: Record | None,
                        err: GatewayError) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +76,8 @@ class Upstream:
     # not held for its stream's life.
     body: bytes
     stream: bool
-    response_headers: list[tuple[bytes, bytes]]
+    # Let go once sent (`Forwarder._start`): a list the stream need not keep.
+    response_headers: Sequence[tuple[bytes, bytes]]
     # The gateway asked the engine for a usage frame the caller did not: drop it on the way.
     strip_usage: bool = False
     # Called with `ticket` once: admission's prefill backlog. Two fields, not a partial: one
@@ -148,6 +149,22 @@ class Forwarder:
         Raises GatewayError before the response has started; after that, failures are
         written into the stream and recorded in `ex`.
         """
+        backend, resp = await self._connect(up, ex, first)
+        # The tries are over: the stream's frames hold what it reads, not what it tried.
+        try:
+            up.body = b""  # it has the request: nothing sends it again
+            try:
+                if not await self._answer_whole(up, ex, backend, resp, send):
+                    await self._stream(up, ex, backend, resp, send)
+            finally:  # not `async with`: its bound __aexit__ lived as long as the stream
+                await resp.__aexit__(None, None, None)
+        finally:
+            backend.outstanding -= 1
+
+    async def _connect(self, up: Upstream, ex: Relay, first: Backend | None
+                       ) -> tuple[Backend, Answer]:
+        """The first backend to answer `up`'s request, and its answer's head; the backend's
+        `outstanding` stays counted for the caller to uncount."""
         tried: tuple[Backend, ...] = ()
         last_error = ""
         pool_size = len(self.backends.pools[up.pool])
@@ -162,18 +179,15 @@ class Forwarder:
             backend.outstanding += 1
             try:
                 resp, failure = await self._open(up, backend)
-                ex.headers_at = STAGE_CLOCK()
-                if resp is None:  # connect failure: nothing reached the engine; try another
-                    last_error = f"`{backend.name}`: {failure}"
-                    continue
-                up.body = b""  # it has the request: nothing sends it again
-                try:
-                    await self._relay(up, ex, backend, resp, send)
-                finally:  # not `async with`: its bound __aexit__ lived as long as the stream
-                    await resp.__aexit__(None, None, None)
-                return
-            finally:
+            except BaseException:
                 backend.outstanding -= 1
+                raise
+            ex.headers_at = STAGE_CLOCK()
+            if resp is not None:
+                return backend, resp
+            # A connect failure: nothing reached the engine; try another.
+            backend.outstanding -= 1
+            last_error = f"`{backend.name}`: {failure}"
         if ex.attempts == 0:
             raise NoBackendAvailable(f"No healthy backend in pool `{up.pool}`.",
                                      retry_after_s=1)
@@ -262,8 +276,11 @@ class Forwarder:
             return None, f"it {_redirected(backend, resp)}"
         return resp, ""
 
-    async def _relay(self, up: Upstream, ex: Relay, backend: Backend,
-                     resp: Answer, send: Send) -> None:
+    async def _answer_whole(self, up: Upstream, ex: Relay, backend: Backend,
+                            resp: Answer, send: Send) -> bool:
+        """Relay an answer that is not a stream (an error, or a request that asked for none)
+        whole; False for a stream, which `_stream` relays: this coroutine is over by then,
+        not one more held for the stream's life."""
         ex.status = resp.status
         for name in _PASS_HEADERS:
             value = resp.headers.get(name)
@@ -295,8 +312,8 @@ class Forwarder:
                 up.on_first_byte(up.ticket)
             await self._start(up, ex, send, resp.status, len(body))
             await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        await self._stream(up, ex, backend, resp, send)
+            return True
+        return False
 
     async def _read_body(self, backend: Backend, resp: Answer) -> bytes:
         try:
@@ -314,6 +331,7 @@ class Forwarder:
         if up.ready is not None and not up.ready.done():
             await asyncio.wait([up.ready])
         headers = list(up.response_headers)
+        up.response_headers = ()
         if ex.backend is not None:
             headers.append((b"x-gateway-backend", ex.backend.name.encode()))
         for name, value in ex.upstream_headers.items():

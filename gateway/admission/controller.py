@@ -81,7 +81,12 @@ class Admission:
         self.prefix = PrefixPlacement(prefix or PrefixIndexes(), metrics)
         self.rules = {name: rule_of(spec) for name, spec in policy.pools.items()}
         self._ids = itertools.count(1)
-        self.live: dict[str, tuple[StateBackend, Lease]] = {}
+        # Live leases by the store that holds them (the shared state, or the in-memory
+        # fallback while it is down), refreshed by the slow tick. Two dicts of leases rather
+        # than one of (store, lease) pairs: a tuple more held by every open stream for the
+        # collector's sweep to walk (gateway/serving/heap.py).
+        self.live: dict[str, Lease] = {}
+        self.live_local: dict[str, Lease] = {}
         self.pools: dict[str, PoolState] = {}
         for name, spec in policy.pools.items():
             ps = PoolState(
@@ -304,7 +309,7 @@ class Admission:
             return None, result.reason
         if ask.tenant_shadow and ask.tenant_share is not None:
             self._shadow_tenant_share(ps, ask, lease)
-        self.live[lease.lease_id] = (store, lease)
+        self.live_in(store)[lease.lease_id] = lease
         if ask.overflow:
             ps.overflow_inflight += 1
         ps.tenant_blocks[lease.tenant] = ps.tenant_blocks.get(lease.tenant, 0) + lease.blocks
@@ -398,7 +403,7 @@ class Admission:
             ps.overflow_inflight -= 1
         if ticket.lease is None or ticket.store is None:
             return
-        self.live.pop(ticket.lease.lease_id, None)
+        self.live_in(ticket.store).pop(ticket.lease.lease_id, None)
         held = ps.tenant_blocks.get(ticket.lease.tenant, 0) - ticket.lease.blocks
         if held > 0:
             ps.tenant_blocks[ticket.lease.tenant] = held
@@ -455,10 +460,18 @@ class Admission:
             ticker.judge_latency(ps, now, self.metrics)
             await ticker.sync_usage(ps, self.state, self.metrics)
         ttl = min(p.spec.admission.lease_ttl_s for p in self.pools.values())
-        replicas = await ticker.refresh(list(self.live.values()), self.state, self.fallback,
-                                        ttl, self.replica_id, self.metrics)
+        replicas = await ticker.refresh(list(self.live.values()), list(self.live_local.values()),
+                                        self.state, self.fallback, ttl, self.replica_id,
+                                        self.metrics)
         if replicas is not None:
             self.replicas = replicas
+
+    def live_in(self, store: StateBackend) -> dict[str, Lease]:
+        """The live leases `store` holds."""
+        return self.live if store is self.state else self.live_local
+
+    def leases_live(self) -> int:
+        return len(self.live) + len(self.live_local)
 
     # --- metrics ------------------------------------------------------------------------------
 

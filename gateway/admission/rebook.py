@@ -34,7 +34,8 @@ class Books(Protocol):
     capacity: Capacity
     metrics: GatewayMetrics
     state: StateBackend
-    live: dict[str, tuple[StateBackend, Lease]]
+
+    def live_in(self, store: StateBackend) -> dict[str, Lease]: ...
 
 
 async def rebook(adm: Books, ticket: Ticket, ask: Ask) -> None:
@@ -57,8 +58,9 @@ async def rebook(adm: Books, ticket: Ticket, ask: Ask) -> None:
         adm.metrics.state_errors.labels("reserve").inc()
         result = None
     if result is not None and result.ok:
-        adm.live[new.lease_id] = (store, new)
-        adm.live.pop(old.lease_id, None)
+        live = adm.live_in(store)
+        live[new.lease_id] = new
+        live.pop(old.lease_id, None)
         ticket.lease = new
         ps.tenant_blocks[old.tenant] = max(
             0, ps.tenant_blocks.get(old.tenant, 0) + new.blocks - old.blocks)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 
 from gateway.admission.guard import Verdict, combine, verdict
 from gateway.admission.pool import PoolState
@@ -64,12 +63,11 @@ async def sync_usage(ps: PoolState, state: StateBackend, metrics: GatewayMetrics
     ps.reserved_tokens = usage.tokens
 
 
-async def refresh(leases: Iterable[tuple[StateBackend, Lease]], state: StateBackend,
+async def refresh(shared: list[Lease], local: list[Lease], state: StateBackend,
                   fallback: StateBackend, ttl_s: float, replica_id: str,
                   metrics: GatewayMetrics) -> int | None:
-    """Refresh the live leases in their stores; the replicas alive, or None when unknown."""
-    shared = [lease for store, lease in leases if store is state]
-    local = [lease for store, lease in leases if store is fallback]
+    """Refresh the live leases in their stores (`shared` in `state`, `local` in `fallback`);
+    the replicas alive, or None when unknown."""
     replicas = None
     try:
         if shared:

@@ -25,7 +25,7 @@ from gateway.api.errors import http_error
 from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
 from gateway.inbound import Inbound
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Gate, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
@@ -64,7 +64,9 @@ class AsgiClient:
         self.headers = headers
         self.rid = (b"x-request-id", request_id.encode())
         self.gone = False
-        self._task = asyncio.current_task()
+        # The request's task, known once it runs (`watch`): the app makes this client as it
+        # is called, before the server has made the task.
+        self._task: asyncio.Task[Any] | None = None
         self._notice = notice
         self._watcher: asyncio.Future[Any] | None = None
         self._linger_s: float | None = None
@@ -124,6 +126,7 @@ class AsgiClient:
         so a caller leaving while it waits in the queue or on the engine frees its place.
         The gateway's own server says so itself (gateway/serving/http_protocol.py); under any other
         ASGI server a task waits on `receive()` for `http.disconnect`."""
+        self._task = asyncio.current_task()
         if self._notice is not None:
             self._notice.watch(self)
             return
@@ -188,9 +191,11 @@ class PipelineEndpoint:
 class CompletionsEndpoint(PipelineEndpoint):
     """POST /v1/chat/completions or /v1/completions."""
 
-    def __init__(self, endpoint: Endpoint, runtime: Callable[[], Runtime]) -> None:
+    def __init__(self, endpoint: Endpoint, runtime: Callable[[], Runtime],
+                 gate: Gate | None = None) -> None:
         super().__init__(runtime)
         self.endpoint = endpoint
+        self.gate = gate
 
     def __call__(self, scope: Scope, receive: Receive, send: Send
                  ) -> Coroutine[Any, Any, None]:
@@ -200,7 +205,7 @@ class CompletionsEndpoint(PipelineEndpoint):
         request = inbound(scope, self.endpoint)
         client = AsgiClient(receive, send, request.headers, request.request_id,
                             scope.get(DISCONNECT_KEY))
-        return pipeline.serve(request, client, watch=True)
+        return pipeline.serve(request, client, watch=True, gate=self.gate)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

@@ -310,7 +310,7 @@ class HttpProtocol(asyncio.Protocol):
 
     __slots__ = ("_begun", "_discarding", "_drain", "_expect_100", "_head_bytes", "_head_raw",
                  "_head_timer", "_idle_timer", "_in_head", "_in_message", "_pipeline", "active",
-                 "app", "app_state", "client", "connections", "cycle", "headers", "limit",
+                 "app", "app_state", "client", "connections", "cycle", "limit",
                  "loop", "parser", "read_paused", "scheme", "scope", "server", "server_state",
                  "tasks", "transport", "url", "write_paused")
 
@@ -340,10 +340,9 @@ class HttpProtocol(asyncio.Protocol):
         self.active: Exchange | None = None
         self.cycle: Exchange | None = None
         self._pipeline: deque[tuple[Exchange, Scope, App]] | None = None
-        # The head being parsed; the scope is let go once whole (it holds its exchange, which
-        # holds this protocol).
+        # The head being parsed; its scope is let go once whole (the scope holds its exchange,
+        # which holds this protocol), and with it the headers' list.
         self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
         self.scope: Scope | None = None
         self._expect_100 = False
         # The head's size as the parser handed it over: exact, but a header comes only once
@@ -503,10 +502,9 @@ class HttpProtocol(asyncio.Protocol):
         self._arm_head_timer()
         self.url = b""
         self._expect_100 = False
-        self.headers = []
         scope: Scope = {"type": "http", "asgi": _ASGI, "http_version": "1.1",
-                 "server": self.server, "client": self.client, "scheme": self.scheme,
-                 "root_path": "", "headers": self.headers}
+                        "server": self.server, "client": self.client, "scheme": self.scheme,
+                        "root_path": "", "headers": []}
         if self.app_state:
             scope["state"] = self.app_state.copy()
         self.scope = scope
@@ -526,7 +524,8 @@ class HttpProtocol(asyncio.Protocol):
         value = value.rstrip(b" \t")
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_100 = True
-        self.headers.append((name, value))
+        if self.scope is not None:  # else a chunked body's trailer: not read
+            self.scope["headers"].append((name, value))
 
     def on_headers_complete(self) -> None:
         if self._discarding:

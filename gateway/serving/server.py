@@ -43,7 +43,10 @@ def server_config(app: Any, host: str, port: int, max_concurrency: int | None,
                      "header_timeout_s": limits.header_timeout_s,
                      "keep_alive_timeout_s": limits.keep_alive_timeout_s})
     return uvicorn.Config(
+        # ASGI 3 said, not guessed: the gateway's `__call__` hands back a coroutine rather
+        # than being a coroutine function.
         app, host=host, port=port, loop="uvloop", http=protocol, lifespan="auto",
+        interface="asgi3",
         log_level="warning", access_log=False, timeout_graceful_shutdown=5, backlog=4096,
         # The gateway reads neither the caller's address nor its scheme, so uvicorn's
         # X-Forwarded-* middleware was only a coroutine more held by every stream, and a scan

@@ -29,7 +29,10 @@ class MemoryState(StateBackend):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._leases: dict[tuple[str, str], tuple[Lease, float]] = {}  # (pool, id) -> expiry
+        # (pool, id) -> the lease, and -> its expiry: two dicts, not one of (lease, expiry)
+        # pairs, a tuple more held by every open stream for the collector's sweep to walk.
+        self._leases: dict[tuple[str, str], Lease] = {}
+        self._expires: dict[tuple[str, str], float] = {}
         self._expiry: list[tuple[float, str, str]] = []  # heap of (expiry, pool, id)
         self._blocks: dict[tuple[str, str], int] = {}
         self._tokens: dict[str, int] = {}
@@ -42,12 +45,14 @@ class MemoryState(StateBackend):
         now = self.clock()
         while self._expiry and self._expiry[0][0] <= now:
             _, pool, lease_id = heapq.heappop(self._expiry)
-            entry = self._leases.get((pool, lease_id))
-            if entry is not None and entry[1] <= now:
-                self._drop(entry[0])
+            key = (pool, lease_id)
+            expiry = self._expires.get(key)
+            if expiry is not None and expiry <= now:
+                self._drop(self._leases[key])
 
     def _drop(self, lease: Lease) -> None:
-        del self._leases[(lease.pool, lease.lease_id)]
+        held = (lease.pool, lease.lease_id)
+        del self._leases[held], self._expires[held]
         key = (lease.pool, lease.backend)
         self._blocks[key] -= lease.blocks
         self._tokens[lease.pool] -= lease.tokens
@@ -70,23 +75,24 @@ class MemoryState(StateBackend):
             return ReserveResult(False, blocks, tokens, "tenant_share")
         self._tenants[tenant_key] = held + lease.blocks
         expiry = self.clock() + ttl_s
-        self._leases[(lease.pool, lease.lease_id)] = (lease, expiry)
+        self._leases[(lease.pool, lease.lease_id)] = lease
+        self._expires[(lease.pool, lease.lease_id)] = expiry
         heapq.heappush(self._expiry, (expiry, lease.pool, lease.lease_id))
         self._blocks[key] = blocks + lease.blocks
         self._tokens[lease.pool] = tokens + lease.tokens
         return ReserveResult(True, blocks + lease.blocks, tokens + lease.tokens)
 
     async def release(self, lease: Lease) -> None:
-        entry = self._leases.get((lease.pool, lease.lease_id))
-        if entry is not None:
-            self._drop(entry[0])
+        held = self._leases.get((lease.pool, lease.lease_id))
+        if held is not None:
+            self._drop(held)
 
     async def refresh(self, leases: list[Lease], ttl_s: float) -> None:
         expiry = self.clock() + ttl_s
         for lease in leases:
             key = (lease.pool, lease.lease_id)
-            if key in self._leases:
-                self._leases[key] = (self._leases[key][0], expiry)
+            if key in self._expires:
+                self._expires[key] = expiry
                 heapq.heappush(self._expiry, (expiry, lease.pool, lease.lease_id))
 
     def _level(self, bucket: Bucket) -> float:
