@@ -275,21 +275,17 @@ class Exchange:
         conn = self.conn
         conn.tasks.discard(task)
         self.listener = None
-        if task.cancelled():
-            problem: str | None = "ASGI task cancelled."
-            exc: BaseException | None = None
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            logger.error("Exception in ASGI application", exc_info=exc)
+        elif self.response_complete or self.disconnected:
+            return  # answered, or no one left to answer
+        elif task.cancelled():
+            logger.error("ASGI task cancelled before its response was complete.")
         else:
-            exc = task.exception()
-            problem = None if exc is None else "Exception in ASGI application"
-        if problem is None and not self.response_complete and not self.disconnected:
-            problem = "ASGI callable returned without " + (
-                "completing" if self.response_started else "starting") + " response."
-        if problem is not None:
-            if exc is not None:
-                logger.error(problem, exc_info=exc)
-            elif not self.disconnected:
-                logger.error(problem)
-            self.fail()
+            logger.error("ASGI callable returned without %s response.",
+                         "completing" if self.response_started else "starting")
+        self.fail()
 
     def fail(self) -> None:
         """The app could not answer: a 500 if nothing was sent yet, else a cut connection."""
