@@ -1,8 +1,9 @@
 """Keeping garbage collection out of the streams' way.
 
 A full collection traverses every tracked object in the process while every stream waits. An
-open stream keeps about 100-140 of them alive (uvicorn's and aiohttp's per-connection
-callbacks, the coroutines of its await chain, the request's own objects), and start-up leaves
+open stream kept 100-140 of them alive when this keeper was written (uvicorn's and aiohttp's
+per-connection callbacks, the coroutines of its await chain, the request's own objects), ~50
+since the gateway serves with its own HTTP/1.1 protocol and client, and start-up leaves
 ~67,000 more (modules, classes, functions, the policy): with Python's own thresholds a full
 collection held the loop 100-250 ms at 1,000 open streams, several times a minute (issue 21).
 Those traversals find nothing: over 4,300 streamed requests the collector freed no object in
@@ -23,8 +24,9 @@ So the keeper splits the heap three ways:
   as deallocations, so new streams' objects gathered there until one collection walked
   thousands (10-25 ms at 1,000 open streams).
 - **The old generation is collected only by the keeper's sweep** (its threshold is out of
-  reach): a walk of what lives beyond start-up, ~25,000 objects at 300 open streams (5-20 ms
-  on a 2-core VM, depending on the machine), which finds any cycle the request path makes.
+  reach): a walk of what lives beyond start-up, ~15,000 objects at 300 open streams (~25,000
+  and 5-20 ms on a 2-core VM before the gateway's own protocol), which finds any cycle the
+  request path makes.
   Every open stream waits for that walk, so a sweep that falls due
   (`server.gc_sweep_interval_s`) waits for a moment with no request open, where it stalls
   nobody. Under load that never pauses it waits until garbage could be piling up: until the
