@@ -108,8 +108,12 @@ async def served() -> AsyncIterator[tuple[App, int]]:
         await asyncio.wait_for(task, 10)
 
 
-async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection("127.0.0.1", port)
+async def connect(port: int, data: bytes = b""
+                  ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the server, with `data` written on it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    return reader, writer
 
 
 async def reply(reader: asyncio.StreamReader, head_only: bool = False
@@ -146,8 +150,7 @@ def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
 async def test_keep_alive_and_pipelined_requests_are_answered_in_order(
         served: tuple[App, int]) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(post("/echo", b"one"))
+    reader, writer = await connect(port, post("/echo", b"one"))
     assert (await reply(reader))[::2] == (200, b"one")
     # Three at once: each waits for the answer before it.
     writer.write(post("/echo", b"two") + get("/stream") + post("/echo", b"three"))
@@ -189,8 +192,8 @@ async def test_expect_100_continue_is_answered_when_the_app_reads(
 @pytest.mark.anyio
 async def test_head_gets_the_head_alone(served: tuple[App, int]) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(b"HEAD /stream HTTP/1.1\r\nhost: x\r\n\r\n" + post("/echo", b"after"))
+    reader, writer = await connect(
+        port, b"HEAD /stream HTTP/1.1\r\nhost: x\r\n\r\n" + post("/echo", b"after"))
     status, headers, _ = await reply(reader, head_only=True)
     assert status == 200 and b"transfer-encoding" not in headers
     # Nothing of a body followed: the next bytes are the next answer.
@@ -203,8 +206,7 @@ async def test_head_gets_the_head_alone(served: tuple[App, int]) -> None:
 async def test_an_app_that_fails_before_answering_gets_a_500_in_openais_shape(
         served: tuple[App, int], path: str) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(get(path))
+    reader, writer = await connect(port, get(path))
     status, headers, body = await reply(reader)
     assert status == 500 and headers[b"connection"] == b"close"
     assert json.loads(body)["error"]["type"] == "server_error"
@@ -216,8 +218,7 @@ async def test_an_app_that_fails_before_answering_gets_a_500_in_openais_shape(
 async def test_an_app_that_fails_mid_stream_cuts_the_connection(
         served: tuple[App, int]) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(get("/half"))
+    reader, writer = await connect(port, get("/half"))
     rest = await asyncio.wait_for(reader.read(), 10)
     assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and b"data: 1" in rest
     assert not rest.endswith(b"0\r\n\r\n")  # no end of the chunked body: the caller can tell
@@ -229,8 +230,7 @@ async def test_an_app_that_fails_mid_stream_cuts_the_connection(
 async def test_a_malformed_request_gets_a_400_in_openais_shape(served: tuple[App, int],
                                                                raw: bytes) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(raw)
+    reader, writer = await connect(port, raw)
     status, _, body = await reply(reader)
     assert status == 400
     assert json.loads(body)["error"]["code"] == "invalid_http_request"
@@ -241,8 +241,8 @@ async def test_a_malformed_request_gets_a_400_in_openais_shape(served: tuple[App
 async def test_an_upgrade_is_answered_as_http_1_1_and_the_connection_closed(
         served: tuple[App, int]) -> None:
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(get("/stream", b"connection: upgrade\r\nupgrade: websocket\r\n"))
+    reader, writer = await connect(
+        port, get("/stream", b"connection: upgrade\r\nupgrade: websocket\r\n"))
     status, headers, body = await reply(reader)
     assert (status, body) == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
     assert headers[b"connection"] == b"close"
@@ -255,8 +255,7 @@ async def test_a_slow_reader_gets_every_byte(served: tuple[App, int]) -> None:
     # The app writes faster than the caller reads: its sends wait (flow control) rather than
     # buffer the whole answer, and nothing is lost.
     _, port = served
-    reader, writer = await connect(port)
-    writer.write(get("/big"))
+    reader, writer = await connect(port, get("/big"))
     await asyncio.sleep(0.3)  # the socket buffers fill; the app's sends are waiting
     status, _, body = await reply(reader)
     assert status == 200 and len(body) == BIG and body.count(b"x") == BIG
@@ -267,8 +266,7 @@ async def test_a_slow_reader_gets_every_byte(served: tuple[App, int]) -> None:
 async def test_a_caller_leaving_is_told_to_the_notice_and_to_receive(
         served: tuple[App, int]) -> None:
     app, port = served
-    reader, writer = await connect(port)
-    writer.write(get("/hold"))
+    reader, writer = await connect(port, get("/hold"))
     await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 10)
     writer.close()
     await asyncio.wait_for(app.lost.wait(), 10)
