@@ -40,8 +40,9 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 import httptools
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
-from gateway.protocol import error_body
+from gateway.protocol import error_body, retry_headers
 
 logger = logging.getLogger("gateway.http")
 
@@ -78,18 +79,21 @@ def _status_line(status: int) -> bytes:
 _STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 
 
-def _error_response(status: int, message: str, code: str, *, close: bool = True) -> bytes:
+def _error_response(status: int, message: str, code: str,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
+    """A whole answer the protocol writes itself, in OpenAI's shape; the connection closes."""
     body = error_body(message, "invalid_request_error" if status < 500 else "server_error",
                       None, code)
-    return (_STATUS_LINES[status] + b"content-type: application/json\r\n"
-            + (b"connection: close\r\n" if close else b"")
-            + b"content-length: %d\r\n\r\n" % len(body) + body)
+    extra = b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers or ())
+    return (_STATUS_LINES[status] + b"content-type: application/json\r\nconnection: close\r\n"
+            + extra + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
 _INTERNAL_ERROR = _error_response(500, "The gateway failed to answer this request.",
                                   "internal_error")
+# A connection or a task ends soon: a transient refusal, worth the SDK's retry.
 _UNAVAILABLE = _error_response(503, "The gateway has too many requests open; retry shortly.",
-                               "server_busy")
+                               "server_busy", retry_headers(1.0))
 _DISCONNECT = {"type": "http.disconnect"}
 
 Scope = dict[str, Any]
@@ -325,7 +329,7 @@ class HttpProtocol(asyncio.Protocol):
         # Answer the first of pipelined requests whose connection then says close.
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # httptools>=0.6.3
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.server: tuple[str, int] | None = None
+        self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
         self.read_paused = False
@@ -358,9 +362,9 @@ class HttpProtocol(asyncio.Protocol):
         # uvloop's transports are asyncio.Transport in all but their class.
         self.connections.add(self)
         self.transport = transport
-        self.server = _address(transport.get_extra_info("sockname"))
-        self.client = _address(transport.get_extra_info("peername"))
-        if transport.get_extra_info("sslcontext"):
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        if is_ssl(transport):
             self.scheme = "https"
         self._arm_head_timer()
 
@@ -644,9 +648,3 @@ async def _unavailable(scope: Scope, receive: Any, send: Any) -> None:
     cycle.conn.transport.write(_UNAVAILABLE)
     cycle.response_complete = True
     cycle.conn.transport.close()
-
-
-def _address(info: Any) -> tuple[str, int] | None:
-    if isinstance(info, (list, tuple)) and len(info) >= 2:
-        return str(info[0]), int(info[1])
-    return None
