@@ -10,6 +10,7 @@ The gateway's own routes through the same protocol are tested everywhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 from collections.abc import AsyncIterator
@@ -90,9 +91,15 @@ class App:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[App, int]]:
+    async with running() as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def running(max_concurrency: int | None = None) -> AsyncIterator[tuple[App, int]]:
     app = App()
     port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, None,
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, max_concurrency,
                                           ConnectionLimits(keep_alive_timeout_s=5.0)))
     server.config.lifespan = "off"
     task = asyncio.create_task(server.serve())
@@ -293,3 +300,18 @@ async def test_served_requests_leave_no_cycles_behind(served: tuple[App, int]) -
         assert left == []
     finally:
         gc.enable()
+
+
+@pytest.mark.anyio
+async def test_past_the_servers_own_cap_a_request_gets_a_503_in_openais_shape() -> None:
+    # The backstop behind the gateway's own 503 (`server.max_concurrent_requests`): the
+    # server's cap on connections, twice that and more in `gateway serve`.
+    async with running(max_concurrency=2) as (_, port):
+        _, idle = await connect(port)  # one connection open, nothing asked on it
+        reader, writer = await connect(port, get("/stream"))
+        status, headers, body = await reply(reader)
+        assert status == 503 and headers[b"connection"] == b"close"
+        assert headers[b"retry-after"] == b"1" and headers[b"x-should-retry"] == b"true"
+        assert json.loads(body)["error"]["code"] == "server_busy"
+        for w in (idle, writer):
+            w.close()
