@@ -18,9 +18,10 @@ closed before answering a ServerDisconnectedError, a reset a ClientOSError, a cu
 ClientPayloadError, a silent engine a SocketTimeoutError), the `read_timeout` between reads
 (bounding the wait for the answer's headers; gateway/silence.py turns it off for a stream's
 body), flow control (the engine's socket is paused while the caller has not taken what was
-read), and keep-alive (a connection is reused only after its answer was read to the end and the
-engine did not ask to close, and not once it has been idle `keepalive_timeout_s`, which is
-under the engines' own, so one the engine is about to close is not reused).
+read), keep-alive (a connection is reused only after its answer was read to the end, with
+nothing after it, and the engine did not ask to close, and not once it has been idle
+`keepalive_timeout_s`, which is under the engines' own, so one the engine is about to close is
+not reused), and the limits on an answer's head (ClientSession's defaults).
 
 Only plain `http://` backends without credentials in their URL are served here; any other goes
 through aiohttp (`Forwarder`), as do the probes, the scrapes and the pass-through endpoints,
@@ -41,6 +42,17 @@ from yarl import URL
 # again under half of it (aiohttp's StreamReader: twice its 64 KiB limit).
 HIGH_WATER = 1 << 17
 LOW_WATER = 1 << 16
+
+# The most of an answer's head taken, as aiohttp's ClientSession takes it (its defaults for
+# max_line_size, max_field_size and max_headers): a header's name and value at most 8190 bytes
+# together, at most 128 headers. An engine past them is broken, and its head is not gathered.
+MAX_LINE_SIZE = 8190
+MAX_FIELD_SIZE = 8190
+MAX_HEADERS = 128
+# httptools holds a header back until the next one begins (the status line until the second),
+# so bytes read with nothing handed over are at most two lines' worth (with their separators
+# and some blank space): past that, reading stops before the end of such a line is waited for.
+MAX_PENDING = MAX_LINE_SIZE + MAX_FIELD_SIZE + 1024
 
 
 class Unreachable(aiohttp.ClientConnectorError):
@@ -66,6 +78,11 @@ class Unreachable(aiohttp.ClientConnectorError):
 
     def __str__(self) -> str:
         return f"Cannot connect to host {self.host}:{self.port} [{self.strerror}]"
+
+
+class _Malformed(Exception):
+    """An answer not to take, seen in a parser callback: raised there, it stops httptools,
+    which raises its HttpParserCallbackError with this as the context."""
 
 
 class Target:
@@ -241,6 +258,8 @@ class Connection(asyncio.Protocol):
         self._framed = False  # the answer has a length or is chunked (else: read to close)
         self._complete = False
         self._keep = False
+        self._fields = 0  # the headers of the answer's head, then its trailers
+        self._pending = 0  # bytes read since the parser last handed something over
         self._paused = False
         self._active = False  # a request is out on it and its response not yet released
         self._timeout: float | None = None
@@ -287,6 +306,7 @@ class Connection(asyncio.Protocol):
         self._response = None
         self._headers = {}
         self._framed = self._complete = self._keep = False
+        self._fields = self._pending = 0
         self._timeout = read_timeout
         self._last_read = self.loop.time()
         self._timer = self.loop.call_at(self._last_read + read_timeout, self._watch)
@@ -340,13 +360,23 @@ class Connection(asyncio.Protocol):
         if self._timeout is not None:  # a stream's body has its own watch (gateway/silence.py)
             self._last_read = self.loop.time()
         assert self._parser is not None
+        self._pending += len(data)  # the callbacks zero it as the parser hands things over
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(aiohttp.ClientPayloadError(f"Malformed answer from the engine: {exc}")
-                       if self._response is not None else
-                       aiohttp.ClientConnectionError(f"Malformed answer from the engine: {exc}"))
-            self.close()
+            if self._pending > MAX_PENDING:
+                raise _Malformed("a line longer than any taken")
+        # HttpParserUpgrade: bytes after a 101, which was handed over whole already.
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, _Malformed) as exc:
+            self._refuse(exc)
+
+    def _refuse(self, exc: Exception) -> None:
+        """Fail the request (its body, once its head was in), and stop reading at once."""
+        if isinstance(exc.__context__, _Malformed):
+            exc = exc.__context__
+        message = f"Malformed answer from the engine: {exc}"
+        self._fail(aiohttp.ClientPayloadError(message) if self._response is not None else
+                   aiohttp.ClientConnectionError(message))
+        self.close()
 
     def eof_received(self) -> bool:
         return False  # close: a half-closed engine connection is of no further use
@@ -374,14 +404,29 @@ class Connection(asyncio.Protocol):
 
     # --- httptools ----------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        # Another message after the answer's end: what the engine sent is not what it said,
+        # and a later request on this connection would read the rest as its own answer. The
+        # connection goes (the answer read stands).
+        if self._complete:
+            raise _Malformed("more bytes than the answer said")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._pending = 0
+        self._fields += 1
+        if self._fields > MAX_HEADERS:
+            raise _Malformed(f"more than {MAX_HEADERS} headers")
+        if len(name) + len(value) > MAX_FIELD_SIZE:
+            raise _Malformed(f"a header longer than {MAX_FIELD_SIZE} bytes")
         self._headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
         assert self._parser is not None
+        self._pending = 0
         status = self._parser.get_status_code()
-        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the next
+        if status in (100, 103):  # an interim answer (100 Continue, 103 Early Hints): the next
             self._headers = {}
+            self._fields = 0
             return
         headers = self._headers
         self._framed = "content-length" in headers or \
@@ -392,8 +437,15 @@ class Connection(asyncio.Protocol):
         self._answer = None
         if answer is not None and not answer.done():
             answer.set_result(self._response)
+        # Any other 1xx is handed over as the answer (with no body), as aiohttp hands over a
+        # 101, for the forwarder to refuse: no engine sends one to a POST. After a 101 (the
+        # only switch of protocols llhttp makes on an answer) nothing on the connection is
+        # HTTP, and after another the rest is unread: either way the connection goes now.
+        if status < 200:
+            self.close()
 
     def on_body(self, body: bytes) -> None:
+        self._pending = 0
         if self._response is not None:
             self._response.content.feed(body)
 

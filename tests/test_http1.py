@@ -79,7 +79,7 @@ def replies(*answers: bytes, then_close: bool = False) -> Handler:
 
 
 def run(coro: Awaitable[None]) -> None:
-    uvloop.run(asyncio.wait_for(coro, 20))  # type: ignore[arg-type]
+    uvloop.run(asyncio.wait_for(coro, 20))
 
 
 def target(port: int, auth: str | None = None) -> Target:
@@ -95,7 +95,7 @@ class Pool(EnginePool):
         super().__init__(limit, keepalive_s=4.0)
         self.read_timeout_s = read_timeout_s
 
-    async def post(self, target: Target, request_id: str, body: bytes,  # type: ignore[override]
+    async def post(self, target: Target, request_id: str, body: bytes,
                    connect_timeout_s: float = 2.0, read_timeout_s: float | None = None
                    ) -> Response:
         return await super().post(target, request_id, body, connect_timeout_s,
@@ -337,5 +337,154 @@ def test_request_id_with_a_line_break_is_refused() -> None:
                 await p.post(target(port), "a\r\nx-evil: 1", b"{}")
             assert await (await p.post(target(port), "ok", b"{}")).read() == b"{}"
             assert len(seen) == 1
+            await p.close()
+    run(main())
+
+
+def test_bytes_after_the_answer_end_its_connection() -> None:
+    """An answer followed by more than it said (here the start of another) leaves the
+    connection at an unknown point of the engine's output: a later request on it would read
+    the rest as its own answer's start, and fail. It is closed instead; the caller keeps its
+    answer, and the next request gets a fresh connection."""
+    async def main() -> None:
+        connections = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            await replies(OK_SIZED + b"HTTP/1.1 2", OK_SIZED)(reader, writer)
+
+        async with engine(handle) as (port, seen):
+            p = pool()
+            assert await (await p.post(target(port), "a", b"{}")).read() == b"{}"
+            assert await (await p.post(target(port), "b", b"{}")).read() == b"{}"
+            assert len(seen) == 2
+            assert connections == 2
+            await p.close()
+    run(main())
+
+
+def flood_head(lines: Callable[[int], bytes], size: int,
+               sent: list[int], finished: asyncio.Event) -> Handler:
+    """An engine that answers with a head of `size` bytes made of `lines(i)` (as much as a
+    client will read of it), counting in `sent` what it wrote."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await writer.read_request()  # type: ignore[attr-defined]
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n")
+            i = 0
+            while sent[0] < size:
+                piece = b"".join(lines(i + j) for j in range(256))
+                i += 256
+                writer.write(piece)
+                await writer.drain()
+                sent[0] += len(piece)
+            writer.write(b"\r\n{}")
+            await writer.drain()
+            await reader.read()
+        finally:
+            finished.set()
+    return handle
+
+
+def test_a_head_past_aiohttps_limits_is_refused() -> None:
+    """A head past what aiohttp's ClientSession takes (8190 bytes a header, 128 headers) fails
+    the request as a malformed answer, and reading stops there: a head without end (one
+    header of 10 MB, 50 MB of distinct names) is not gathered in memory."""
+    async def main() -> None:
+        one_header = b"x-big: " + b"a" * (10 << 20) + b"\r\n"
+        for lines, size, why in (
+                (lambda i: one_header[i * 4096:(i + 1) * 4096], len(one_header), "a line longer"),
+                (lambda i: b"x-h-%08d: 1\r\n" % i, 50 << 20, "more than 128 headers")):
+            sent, finished = [0], asyncio.Event()
+            async with engine(flood_head(lines, size, sent, finished)) as (port, _):
+                p = pool()
+                with pytest.raises(aiohttp.ClientConnectionError) as err:
+                    await p.post(target(port), "r", b"{}")
+                assert type(err.value) is aiohttp.ClientConnectionError  # malformed, as before
+                assert why in str(err.value)
+                assert public(err.value) == "connection error"
+                await asyncio.wait_for(finished.wait(), 5)
+                assert sent[0] < size  # cut off, not read to its end
+                await p.close()
+    run(main())
+
+
+def test_a_head_at_aiohttps_limits_is_taken() -> None:
+    """aiohttp's limits exactly: a header's name and value 8190 bytes together, 128 headers
+    (the content-length among them); one byte or one header more is refused."""
+    def answer(count: int, extra: int) -> bytes:
+        fields = [b"x-%03d: " % i + b"v" * (8190 - 5) for i in range(count - 1)]
+        fields[0] += b"v" * extra
+        return b"HTTP/1.1 200 OK\r\n" + b"\r\n".join(fields) + b"\r\ncontent-length: 2\r\n\r\n{}"
+
+    async def main() -> None:
+        async with engine(replies(answer(128, 0))) as (port, _):
+            p = pool()
+            resp = await p.post(target(port), "r", b"{}")
+            assert len(resp.headers) == 128 and len(resp.headers["x-000"]) == 8190 - 5
+            assert await resp.read() == b"{}"
+        for count, extra, why in ((129, 0, "more than 128 headers"),
+                                  (128, 1, "a header longer than 8190 bytes")):
+            async with engine(replies(answer(count, extra))) as (port, _):
+                with pytest.raises(aiohttp.ClientConnectionError) as err:
+                    await p.post(target(port), "r", b"{}")
+                assert type(err.value) is aiohttp.ClientConnectionError
+                assert why in str(err.value)
+        await p.close()
+    run(main())
+
+
+def test_a_protocol_switch_or_unknown_interim_answer_ends_its_connection() -> None:
+    """An engine does not switch protocols, nor send an interim answer other than 100
+    Continue and 103 Early Hints. Such a status is handed over as the answer, with no body, as
+    aiohttp hands over a 101, for the forwarder to refuse (a 502 in OpenAI's shape, nothing
+    relayed); what follows it is not read, the connection is closed at once, and no traceback
+    is logged."""
+    async def main() -> None:
+        errors: list[dict[str, object]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(ctx))
+        switch = (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                  b"Connection: upgrade\r\n\r\nnot http any more")
+        processing = b"HTTP/1.1 102 Processing\r\n\r\n" + OK_SIZED
+        for status, answer in ((101, switch), (102, processing)):
+            closed = asyncio.Event()
+
+            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             answer: bytes = answer, closed: asyncio.Event = closed) -> None:
+                await writer.read_request()  # type: ignore[attr-defined]
+                writer.write(answer)
+                await reader.read()
+                closed.set()
+
+            async with engine(handle) as (port, _):
+                p = pool()
+                resp = await p.post(target(port), "r", b"{}")
+                assert resp.status == status
+                await asyncio.wait_for(closed.wait(), 5)  # before the caller is done with it
+                assert await resp.read() == b""
+                await p.close()
+        assert errors == []
+        # The interim answers an engine may send still pass.
+        early = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n" + OK_SIZED
+        async with engine(replies(early)) as (port, _):
+            p = pool()
+            resp = await p.post(target(port), "r", b"{}")
+            assert resp.status == 200 and "link" not in resp.headers
+            assert await resp.read() == b"{}"
+            await p.close()
+    run(main())
+
+
+def test_answer_headers_are_exposed_for_the_forwarder() -> None:
+    """An encoding the client did not ask for (it sends `accept-encoding: identity`) shows in
+    the headers, for the forwarder to refuse."""
+    async def main() -> None:
+        gzip = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\ncontent-length: 2\r\n\r\n{}"
+        async with engine(replies(gzip)) as (port, _):
+            p = pool()
+            resp = await p.post(target(port), "r", b"{}")
+            assert resp.headers.get("content-encoding") == "gzip"
+            await resp.read()
             await p.close()
     run(main())
