@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from gateway.protocol import error_body, error_type, retry_headers
+from gateway.sse import has_error, split_events
 
 
 def engine_error(status: int, body: bytes, backend: str) -> bytes:
@@ -65,14 +66,13 @@ def engine_error_headers(status: int, headers: dict[str, str]) -> None:
 
 
 def openai_error_events(chunk: bytes) -> bytes:
-    """Error events in a stream (vLLM: `data: {"error": {..., "code": 400}}`) in OpenAI's
-    shape; every other event untouched. A mid-stream error's status is the engine's integer
-    code where it gives one. An event split across two reads passes as it came, as the usage
-    frame's stripping does: engines write an error event in one piece, and it is small."""
-    events = chunk.split(b"\n\n")
+    """Error events in whole events of a stream (vLLM: `data: {"error": {..., "code": 400}}`)
+    in OpenAI's shape; every other event untouched. A mid-stream error's status is the
+    engine's integer code where it gives one."""
+    events = split_events(chunk)
     changed = False
     for i, event in enumerate(events):
-        if b'{"error"' not in event:
+        if not has_error(event):
             continue
         lines = event.split(b"\n")
         for j, line in enumerate(lines):
@@ -89,7 +89,7 @@ def openai_error_events(chunk: bytes) -> bytes:
                 lines[j] = b"data: " + openai_error(err, status)
                 changed = True
         events[i] = b"\n".join(lines)
-    return b"\n\n".join(events) if changed else chunk
+    return b"".join(events) if changed else chunk
 
 
 def error_message(body: bytes) -> str:

@@ -27,7 +27,9 @@ string or null (docs/errors.md lists every status, type and code):
       |           +-- StateUnavailable          the shared state is down and the pool fails closed
       +-- Failure                               something broke on the way
             +-- UpstreamError         502 server_error           every backend refused the
-            |                                   connection, or a 5xx
+            |     |                             connection, a 5xx, an answer not relayed
+            |     +-- UpstreamTimeout 504 server_error   the engine took the request and
+            |                                   was silent past `read_timeout_s`
             +-- InternalError         500 server_error           a bug: logged with its
                                                 traceback, never shown
 
@@ -135,6 +137,13 @@ class UpstreamError(Failure):
     def __init__(self, message: str, *, backend: str | None = None) -> None:
         super().__init__(message)
         self.backend = backend  # the backend's policy name, never its URL
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine took the request and did not answer in time: it may still be working on it,
+    so no other backend is given it."""
+
+    code = "upstream_timeout"
 
 
 class InternalError(Failure):

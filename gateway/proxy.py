@@ -1,8 +1,9 @@
 """Forwarding to engines, and streaming the answer back as it arrives.
 
-The streaming path is the hot path: each upstream read is handed to the ASGI server as it is,
-with no re-serialising; the gateway only notes when the first bytes came (TTFT) and, from the
-one frame that carries it, the final `usage`. Upstream errors are mapped to our own at this
+The streaming path is the hot path: the engine's events go to the ASGI server as they are,
+with no re-serialising, each as soon as its last byte has come (gateway/sse.py reassembles an
+event split across reads); the gateway only notes when the first token came (TTFT) and, from
+the one event that carries it, the final `usage`. Upstream errors are mapped to our own at this
 boundary, mid-stream too (as an SSE error frame, since the status line has already gone).
 
 Requests to plain http:// engines go through the gateway's own HTTP/1.1 client
@@ -29,27 +30,24 @@ from starlette.types import Send
 
 from gateway import engine_errors as errs
 from gateway.backends import Backend
-from gateway.errors import NoBackendAvailable, UpstreamError
+from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from gateway.http1 import EnginePool, Response, Target, target_of
 from gateway.protocol import error_body, sse_error_frame
 from gateway.routing import Router
 from gateway.serving.heap import forget
 from gateway.silence import NOT_WAITING, Silences
+from gateway.sse import Events, EventTooLarge, Usage, body_usage, has_error, has_usage, usage_events
 
 if TYPE_CHECKING:
     from gateway.admission.pool import Ticket
 
 log = logging.getLogger("gateway.proxy")
 
-# Chat, completions and embeddings name them prompt/completion; the Responses API input/output.
-_USAGE_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-_USAGE_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
 # A Responses stream opens with events sent before any token (response.created, ...): its
 # first token, and each token after, is a delta event (text, reasoning or tool arguments).
 _FIRST_TOKEN: dict[str, bytes] = {"responses": b'.delta"'}
 _EVENTS: dict[str, bytes] = {"responses": b'.delta"'}
-_USAGE_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 # Engine response headers worth passing on; everything else (hop-by-hop, server, date,
 # content-length of a body we re-frame) is the gateway's own business.
@@ -257,10 +255,17 @@ class Forwarder:
             public = errs.public(exc)
             forget(exc)
             return None, public
-        except TimeoutError as exc:
+        except aiohttp.ConnectionTimeoutError as exc:
             self.backends.record_failure(backend, "timeout", "connect timeout")
             forget(exc)
             return None, "connect timeout"
+        except TimeoutError as exc:
+            # Connected and sent, then silent past read_timeout_s: the engine may be
+            # generating it (a long prefill is silent too), so no other backend is given it.
+            self.backends.record_failure(backend, "timeout", "no answer within the read timeout")
+            forget(exc)
+            raise UpstreamTimeout(f"The engine `{backend.name}` did not answer within "
+                                  f"{self.read_timeout_s:g}s.", backend=backend.name) from None
         except aiohttp.ClientError as exc:
             # Reset or broken once the request was sent, before any answer (an engine killed
             # on it): it may have started there, so no other backend is given it.
@@ -274,6 +279,12 @@ class Forwarder:
             self.backends.record_failure(backend, "redirect", f"HTTP {resp.status} redirect")
             resp.release()
             return None, f"it {_redirected(backend, resp)}"
+        refused = _unreadable(resp)
+        if refused:
+            # An answer the gateway cannot relay as it came: nothing of it reaches the caller.
+            self.backends.record_failure(backend, "protocol", refused)
+            resp.close()
+            raise UpstreamError(f"The engine `{backend.name}` {refused}.", backend=backend.name)
         return resp, ""
 
     async def _answer_whole(self, up: Upstream, ex: Relay, backend: Backend,
@@ -299,7 +310,7 @@ class Forwarder:
             body = await self._read_body(backend, resp)
             if resp.status == 200:
                 self.backends.record_success(backend)
-                _parse_usage(ex, body)
+                _note_usage(ex, body_usage(body))
                 if up.endpoint == "responses":
                     _parse_response_id(ex, body)
             elif not 200 <= resp.status < 300:
@@ -352,15 +363,18 @@ class Forwarder:
         first_token = _FIRST_TOKEN.get(up.endpoint)
         event = _EVENTS.get(up.endpoint, b"data:")
         want_id = up.endpoint == "responses"
-        usage_frame = b""
+        events = Events()
         watch = self.silences.watch(resp)
         try:
             while True:
                 watch.since = loop_time()
-                chunk = await content.readany()
+                read = await content.readany()
                 watch.since = NOT_WAITING
-                if not chunk:
+                if not read:
                     break
+                chunk = events.push(read)
+                if not chunk:  # the read ended inside an event: it goes when it is whole
+                    continue
                 if ex.first_byte is None and (first_token is None or first_token in chunk):
                     ex.first_byte = loop_time()
                     if up.on_first_byte is not None and up.ticket is not None:
@@ -369,17 +383,17 @@ class Forwarder:
                     _parse_response_id(ex, chunk)
                 # Kept on the exchange as it goes: the latency guard reads streams in flight.
                 ex.sse_events += chunk.count(event)
-                if b'"usage":{' in chunk:
-                    usage_frame = chunk
-                    if strip_usage:
-                        chunk = _without_usage_frame(chunk)
-                        if not chunk:
-                            continue
-                if b'{"error"' in chunk:  # an engine's error event: OpenAI's shape too
+                if has_usage(chunk):
+                    chunk, usage = usage_events(chunk, strip_usage)
+                    _note_usage(ex, usage)
+                    if not chunk:
+                        continue
+                if has_error(chunk):  # an engine's error event: OpenAI's shape too
                     chunk = errs.openai_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+        except (aiohttp.ClientError, TimeoutError, EventTooLarge) as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else \
+                "protocol" if isinstance(exc, EventTooLarge) else "disconnect"
             self.backends.record_failure(backend, kind, errs.describe(exc))
             ex.error = f"upstream {kind}: {errs.describe(exc)}"
             ex.status = 502
@@ -391,12 +405,13 @@ class Forwarder:
                             f"({errs.public(exc)}).")})
         else:
             self.backends.record_success(backend)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # An engine that ended its last event otherwise than with a blank line: relayed
+            # as it came, nothing of the stream lost.
+            await send({"type": "http.response.body", "body": events.rest(),
+                        "more_body": False})
         finally:
             self.silences.close(watch)
             ex.finished = loop_time()
-            if usage_frame:
-                _parse_usage(ex, usage_frame)
 
 
 def _parse_response_id(ex: Relay, body: bytes) -> None:
@@ -405,23 +420,29 @@ def _parse_response_id(ex: Relay, body: bytes) -> None:
         ex.response_id = m.group(1).decode()
 
 
-def _parse_usage(ex: Relay, body: bytes) -> None:
-    m = _USAGE_PROMPT.search(body)
-    if m:
-        ex.prompt_tokens = int(m.group(1))
-    m = _USAGE_COMPLETION.search(body)
-    if m:
-        ex.completion_tokens = int(m.group(1))
-    m = _USAGE_CACHED.search(body)
-    if m:
-        ex.cached_tokens = int(m.group(1))
+def _note_usage(ex: Relay, usage: Usage | None) -> None:
+    if usage is None:
+        return
+    if usage.prompt_tokens is not None:
+        ex.prompt_tokens = usage.prompt_tokens
+    if usage.completion_tokens is not None:
+        ex.completion_tokens = usage.completion_tokens
+    if usage.cached_tokens is not None:
+        ex.cached_tokens = usage.cached_tokens
 
 
-def _without_usage_frame(chunk: bytes) -> bytes:
-    """Drop the usage-only frame (`"choices":[]`) the gateway asked for; keep the rest."""
-    frames = chunk.split(b"\n\n")
-    kept = [f for f in frames if not (b'"usage":{' in f and b'"choices":[]' in f)]
-    return b"\n\n".join(kept) if len(kept) != len(frames) else chunk
+def _unreadable(resp: Answer) -> str:
+    """Why an engine's answer cannot be relayed, in words for the caller; "" if it can.
+    An interim or protocol-switching status is no answer to a POST the gateway relays, and a
+    body in an encoding the gateway did not accept (it asks for identity) would reach the
+    caller as bytes its declared type is not, its usage unread."""
+    if resp.status < 200:
+        return f"answered HTTP {resp.status}, which is not an answer the gateway relays"
+    encoding = resp.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        return (f"answered in content-encoding `{encoding[:40]}`, which the gateway did "
+                "not ask for")
+    return ""
 
 
 def _redirected(backend: Backend, resp: Answer) -> str:

@@ -24,6 +24,7 @@ from gateway.errors import (
     Unauthorized,
     UnsupportedMediaType,
     UpstreamError,
+    UpstreamTimeout,
 )
 from gateway.protocol import error_body, error_type, rate_limit_headers, retry_headers
 
@@ -38,6 +39,7 @@ _STATUS: dict[type[GatewayError], int] = {
     UnsupportedMediaType: 415,
     QuotaExceeded: 429,
     Overloaded: 503,
+    UpstreamTimeout: 504,
     UpstreamError: 502,
     Failure: 500,
     GatewayError: 500,
