@@ -71,12 +71,13 @@ class Events:
         return tail
 
 
+# The plain `in` first: it passes over nearly every event of a stream faster than a search.
 def has_usage(data: bytes) -> bool:
-    return _USAGE.search(data) is not None
+    return b'"usage"' in data and _USAGE.search(data) is not None
 
 
 def has_error(data: bytes) -> bool:
-    return _ERROR.search(data) is not None
+    return b'"error"' in data and _ERROR.search(data) is not None
 
 
 def body_usage(body: bytes) -> Usage | None:
