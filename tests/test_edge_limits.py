@@ -1,5 +1,6 @@
-"""The edges of HTTP itself: a request head's size and time, idle connections, paths with a
-trailing slash, compressed bodies, the admin port's address; and `gateway demo`'s port check.
+"""The edges of HTTP itself: a request head's size and time, idle connections, bodies that
+never come or are malformed, paths with a trailing slash, compressed bodies, the admin port's
+address; and `gateway demo`'s port check.
 
 Raw sockets where the point is how the bytes arrive (at once, in pieces, a byte at a time, not
 at all), since an HTTP client library would not send them that way.
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gateway.auth import hash_key
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import ROOT, Server, bearer, free_port, gateway_cmd, http, poll_metric
 
@@ -181,6 +183,57 @@ def test_slow_and_idle_connections_are_closed(start_gateway: StartGateway) -> No
                 s.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
                 assert parse(read_reply(s))[0] == 200
                 time.sleep(0.3)
+
+
+def test_a_request_whose_body_never_comes_is_answered_and_closed(
+        start_gateway: StartGateway) -> None:
+    """Issue 43: an answer given before the body came (a GET declaring a body, a bad key's
+    401) and the gateway's own 408 for a late body left the connection open for ever, past
+    every timeout (the next request on it read as the old body); enough such connections held
+    the server at its cap, every request 503. Now each answer says `connection: close` and
+    the connection closes; a malformed chunked body is a 400 at once, not a 408 30 s later."""
+    key = "sk-edge"
+    extra = f"""server: {{body_timeout_s: 1}}
+auth:
+  require_keys: true
+tenants:
+  - name: team
+    api_keys: ["{hash_key(key)}"]
+"""
+    limit = 1 + 1 + 1.5  # the body timeout, the drain before closing, slack
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n")
+    with start_gateway(policy_yaml([f"http://127.0.0.1:{free_port()}"], extra=extra)) as gw:
+        address = ("127.0.0.1", gw.port)
+        for request, status in (
+                (b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 10\r\n\r\n",
+                 200),
+                (head + b"authorization: Bearer sk-wrong\r\ncontent-length: 100\r\n\r\n{",
+                 401),
+                (head + b"authorization: Bearer %s\r\ncontent-length: 100\r\n\r\n{"
+                 % key.encode(), 408)):
+            with socket.create_connection(address, timeout=10) as s:
+                s.sendall(request)
+                reply = read_reply(s)
+                got, headers, _ = parse(reply)
+                assert (got, headers.get("connection")) == (status, "close"), reply[:300]
+                if status == 408:
+                    assert_openai_error(reply, 408, "request_timeout")
+                # What comes next is no request, nor the rest of the old body: unanswered.
+                s.sendall(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                assert closed_after(s, limit)[1] == b""
+        with socket.create_connection(address, timeout=10) as s:
+            s.sendall(head + b"authorization: Bearer %s\r\ntransfer-encoding: chunked\r\n\r\n"
+                      % key.encode())
+            time.sleep(0.2)  # the gateway waits for the body
+            s.sendall(b"ffffffffffffffffff\r\n")  # a chunk size that overflows
+            start = time.monotonic()
+            reply = read_reply(s, deadline_s=limit)
+            assert time.monotonic() - start < 1.0
+            assert_openai_error(reply, 400, "invalid_http_request")
+            assert parse(reply)[1]["connection"] == "close"
+            closed_after(s, limit)
+        assert parse(send(gw.port, [b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"]))[0] == 200
 
 
 # --- paths and bodies ---------------------------------------------------------------------

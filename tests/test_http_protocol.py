@@ -1,6 +1,7 @@
 """The gateway's own HTTP/1.1 protocol (gateway/serving/http_protocol.py) as ASGI apps see it:
 keep-alive, pipelining, Expect: 100-continue, HEAD, request bodies chunked and past the read
-buffer, flow control toward a slow reader, disconnects, and apps that fail.
+buffer, flow control toward a slow reader, disconnects, apps that fail, and request bodies that
+never come, trickle or are malformed (issue 43).
 
 A small ASGI app stands in for the gateway, served by uvicorn's `Server` over the protocol on a
 loopback socket in this process, and raw sockets talk to it: the point is the bytes on the wire.
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.serving.http_protocol import DISCONNECT_KEY, Exchange, HttpProtocol
+from gateway.serving.http_protocol import DISCONNECT_KEY, LINGER_S, Exchange, HttpProtocol
 from gateway.serving.server import ConnectionLimits, server_config
 from tests.servers import free_port
 
@@ -45,6 +46,9 @@ class App:
             body = b""
             while True:
                 message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.saw_disconnect.set()
+                    return
                 body += message.get("body", b"")
                 if not message.get("more_body"):
                     break
@@ -59,6 +63,35 @@ class App:
                 await send({"type": "http.response.body", "body": b"x" * 65536,
                             "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/early":
+            # The gateway's 401 for a bad key: answered before the body is read.
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"no"})
+            return
+        if path == "/late":
+            # The gateway's 408 for a body that trickles: its own timer, its own answer.
+            try:
+                async with asyncio.timeout(0.3):
+                    while (await receive()).get("more_body"):
+                        pass
+            except TimeoutError:
+                await send({"type": "http.response.start", "status": 408,
+                            "headers": [(b"content-length", b"4")]})
+                await send({"type": "http.response.body", "body": b"late"})
+            return
+        if path == "/ignore":
+            # Neither reads the body nor answers, until told that the caller has gone.
+            gone = asyncio.Event()
+
+            class Gone:
+                def lost(self) -> None:
+                    gone.set()
+
+            scope[DISCONNECT_KEY].watch(Gone())
+            await gone.wait()
+            self.lost.set()
             return
         if path == "/hold":
             # A stream that lasts until its caller leaves, told by the notice.
@@ -96,11 +129,12 @@ async def served() -> AsyncIterator[tuple[App, int]]:
 
 
 @contextlib.asynccontextmanager
-async def running(max_concurrency: int | None = None) -> AsyncIterator[tuple[App, int]]:
+async def running(max_concurrency: int | None = None, limits: ConnectionLimits | None = None
+                  ) -> AsyncIterator[tuple[App, int]]:
+    limits = limits or ConnectionLimits(keep_alive_timeout_s=5.0)
     app = App()
     port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, max_concurrency,
-                                          ConnectionLimits(keep_alive_timeout_s=5.0)))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, max_concurrency, limits))
     server.config.lifespan = "off"
     task = asyncio.create_task(server.serve())
     for _ in range(500):
@@ -315,3 +349,125 @@ async def test_past_the_servers_own_cap_a_request_gets_a_503_in_openais_shape() 
         assert json.loads(body)["error"]["code"] == "server_busy"
         for w in (idle, writer):
             w.close()
+
+
+# --- bodies that never come, trickle, or are malformed (issue 43) ----------------------------
+
+# After an answer that ends the connection, the server's end is shut at once; the socket itself
+# is closed once the caller closes its end, or after LINGER_S of reading and dropping what still
+# comes (so that the caller is not reset before it reads the answer). With slack for a loaded
+# machine.
+CLOSED_WITHIN_S = 3.0
+
+
+async def closed(reader: asyncio.StreamReader, within_s: float = CLOSED_WITHIN_S) -> bytes:
+    """What the server sent until it closed the connection, failing if it is open past
+    `within_s`."""
+    try:
+        return await asyncio.wait_for(reader.read(), within_s)
+    except TimeoutError:
+        raise AssertionError(f"the connection is still open after {within_s}s") from None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("raw, status", [
+    (get("/stream", b"content-length: 10\r\n"), 200),  # a GET that declares a body
+    (post("/early", b"0123456789")[:-7], 401),  # a bad key: answered before the body
+], ids=["a GET declaring a body", "a 401 before the body"])
+async def test_an_answer_before_the_body_has_come_closes_the_connection(
+        served: tuple[App, int], raw: bytes, status: int) -> None:
+    """The connection stayed open for ever: no idle timer while a body was due, and the head's
+    was done. Now the answer says `connection: close`, and the connection closes."""
+    _, port = served
+    reader, writer = await connect(port, raw)
+    got, headers, _ = await reply(reader)
+    assert (got, headers[b"connection"]) == (status, b"close")
+    assert await closed(reader) == b""
+    writer.close()
+
+
+@pytest.mark.anyio
+async def test_held_connections_no_longer_keep_the_server_at_its_cap() -> None:
+    """Each such connection counted against the server's cap for ever: a caller that opened
+    enough of them kept every later request at 503."""
+    async with running(max_concurrency=2) as (_, port):
+        reader, held = await connect(port, get("/stream", b"content-length: 10\r\n"))
+        assert (await reply(reader))[0] == 200
+        await asyncio.sleep(LINGER_S + 0.5)  # the caller keeps its end open: the server closes
+        reader, writer = await connect(port, get("/stream"))
+        assert (await reply(reader))[0] == 200
+        for w in (held, writer):
+            w.close()
+
+
+@pytest.mark.anyio
+async def test_after_an_apps_408_for_a_late_body_the_connection_closes(
+        served: tuple[App, int]) -> None:
+    """The app's 408 went out without `connection: close` and the connection stayed open, the
+    next request read as the rest of the old body. Now it closes, and nothing more is
+    answered on it."""
+    _, port = served
+    reader, writer = await connect(port, post("/late", b"0123456789")[:-7])
+    status, headers, body = await reply(reader)
+    assert (status, headers[b"connection"], body) == (408, b"close", b"late")
+    writer.write(get("/stream"))
+    assert await closed(reader) == b""
+    writer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/ignore", "/echo"])
+async def test_a_body_that_trickles_for_ever_gets_a_408_and_the_app_is_told(
+        path: str) -> None:
+    """A byte every 0.1 s held the connection and the app for as long as the caller liked,
+    where the app did not read (a body is the app's to time, but not every app does).
+    Now a request's body has the keep-alive timeout, from its head's end to its last byte:
+    then a 408 in OpenAI's shape, and the app waiting for the body or the caller is told."""
+    limits = ConnectionLimits(header_timeout_s=0.5, keep_alive_timeout_s=0.5)
+    async with running(limits=limits) as (app, port):
+        reader, writer = await connect(
+            port, b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" % path.encode())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        answer = asyncio.ensure_future(reply(reader))
+        for _ in range(50):
+            if answer.done():
+                break
+            writer.write(b"a")
+            await asyncio.sleep(0.1)
+        status, headers, body = await answer
+        assert 0.4 < loop.time() - start < 2.0
+        assert (status, headers[b"connection"]) == (408, b"close")
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert await closed(reader) == b""
+        told = app.lost if path == "/ignore" else app.saw_disconnect
+        await asyncio.wait_for(told.wait(), 1)
+        writer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("chunks", [
+    b"ffffffffffffffffff\r\n",  # the chunk size overflows
+    b"0x5\r\nhello\r\n0\r\n\r\n",  # a 0x prefix
+    b"-1\r\n",
+    b"5\r\nhelloXX\r\n0\r\n\r\n",  # no CRLF after the chunk's data
+    b"5;ext\nhello\r\n0\r\n\r\n",  # a bare LF in a chunk extension
+], ids=["size overflow", "0x prefix", "negative size", "no CRLF after data",
+        "bare LF in extension"])
+async def test_a_malformed_chunked_body_gets_a_400_and_the_waiting_app_is_told(
+        served: tuple[App, int], chunks: bytes) -> None:
+    """The parser's error was swallowed while the app waited for the body: a 408 30 s later
+    from the gateway, the task and the connection held meanwhile. Now a 400 in OpenAI's shape
+    at once, the connection closed, and the app's `receive()` says the caller has gone."""
+    app, port = served
+    reader, writer = await connect(
+        port, b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+    await asyncio.sleep(0.1)  # the app waits in receive()
+    writer.write(chunks)
+    status, headers, body = await reply(reader)
+    assert (status, headers[b"connection"]) == (400, b"close")
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request")
+    await asyncio.wait_for(app.saw_disconnect.wait(), 1)
+    assert await closed(reader) == b""
+    writer.close()

@@ -19,9 +19,29 @@ request, the disconnect notice and the list that found it. Here:
 The limits uvicorn's protocol lacks are here too: a request's head is bounded in size (past
 `max_header_bytes`, 431 in OpenAI's error shape) and in time (whole within `header_timeout_s`
 of the connection's opening or of the request's first byte, else 408 or a close), and an idle
-keep-alive connection is closed after `keep_alive_timeout_s`. What the gateway does not serve
-(WebSocket, HTTP/2, TLS termination) is not here: an Upgrade request is answered as plain
-HTTP/1.1 and its connection closed after the answer.
+keep-alive connection is closed after `keep_alive_timeout_s`. A connection has a clock in every
+state but one, so that no caller holds it by sending nothing, or a byte now and then:
+
+- the head: `header_timeout_s`, then a 408 (or a close, if nothing of a request came);
+- the body: `keep_alive_timeout_s` from the head's end to the body's last byte, then a 408
+  where no answer has started, else a cut. The app has a body timeout of its own (the
+  gateway's `server.body_timeout_s`, shorter by default): this is the backstop for an app that
+  does not read;
+- idle after an answer: `keep_alive_timeout_s`, then a close;
+- after a refusal, or an answer after which the connection closes: `LINGER_S` of reading and
+  dropping what still comes (or until the caller closes its end), then a close. An answer
+  given before the request's body has all come (a bad key's 401, the app's own 408) says
+  `connection: close` and ends the connection rather than read the rest of the body: that
+  rest may never come, or be large, and keeping the connection would mean reading it within
+  yet another bound; closing is simpler, and what most servers do;
+- the one without: while the app holds the request (its body all read, its answer being made
+  or going out), the time is the app's.
+
+A malformed body (a bad chunk size, a chunk without its CRLF) is a 400 where no answer has
+started, with a close; the app waiting for the body is told at once that the caller has gone.
+
+What the gateway does not serve (WebSocket, HTTP/2, TLS termination) is not here: an Upgrade
+request is answered as plain HTTP/1.1 and its connection closed after the answer.
 
 uvicorn's `Server` still runs the sockets, the lifespan, signals and the graceful shutdown; this
 protocol keeps the interface it calls (the constructor's keywords, `shutdown()`, the shared
@@ -52,6 +72,11 @@ DISCONNECT_KEY = "gateway.disconnect"
 
 # A body buffered past this (not yet taken by `receive()`) pauses reading: uvicorn's figure.
 HIGH_WATER = 65536
+
+# After a refusal, or an answer after which the connection closes, how long what still comes is
+# read and dropped before the connection closes: closing with unread bytes resets the
+# connection, and the caller may lose the answer it has not read yet.
+LINGER_S = 1.0
 
 # Method, spaces, "HTTP/1.1" and the line ends the parser does not hand over.
 _REQUEST_LINE_OVERHEAD = 20
@@ -158,8 +183,9 @@ class Exchange:
             self.conn.resume_reading()
 
     def lost(self) -> None:
-        """The connection is gone (called by the protocol)."""
+        """The connection is gone, or its request is over (called by the protocol)."""
         self.disconnected = True
+        self.waiting_100 = False  # no interim answer after a final one or none
         self.wake()
         listener, self.listener = self.listener, None
         if listener is not None:
@@ -216,6 +242,10 @@ class Exchange:
     def _start(self, status: int, headers: Any) -> None:
         self.response_started = True
         self.waiting_100 = False
+        if self.more_body:
+            # Answered before the request's body has all come (a bad key's 401, the app's own
+            # 408): the connection closes after it rather than wait for the rest.
+            self.keep_alive = False
         parts = [_STATUS_LINES[status]]
         length: int | None = None
         chunked = False
@@ -269,8 +299,6 @@ class Exchange:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
             self.wake()
-            if not self.keep_alive:
-                transport.close()
             self.conn.answered(self)
 
     # --- the task's end ----------------------------------------------------------------------
@@ -294,12 +322,14 @@ class Exchange:
     def fail(self) -> None:
         """The app could not answer: a 500 if nothing was sent yet, else a cut connection."""
         transport = self.conn.transport
+        self.keep_alive = False
         if not self.response_started and not self.disconnected and \
                 not transport.is_closing():
-            self.response_started = True
+            self.response_started = self.response_complete = True
             transport.write(_INTERNAL_ERROR)
+            self.conn.close_soon()
+            return
         self.response_complete = True
-        self.keep_alive = False
         transport.close()
 
 
@@ -308,11 +338,11 @@ class HttpProtocol(asyncio.Protocol):
     header_timeout_s = 10.0
     keep_alive_timeout_s = 75.0
 
-    __slots__ = ("_begun", "_discarding", "_drain", "_expect_100", "_head_bytes", "_head_raw",
-                 "_head_timer", "_idle_timer", "_in_head", "_in_message", "_pipeline", "active",
-                 "app", "app_state", "client", "connections", "cycle", "limit",
-                 "loop", "parser", "read_paused", "scheme", "scope", "server", "server_state",
-                 "tasks", "transport", "url", "write_paused")
+    __slots__ = ("_begun", "_body_timer", "_discarding", "_drain", "_expect_100", "_head_bytes",
+                 "_head_raw", "_head_timer", "_idle_timer", "_in_head", "_in_message",
+                 "_pipeline", "active", "app", "app_state", "client", "connections", "cycle",
+                 "limit", "loop", "parser", "read_paused", "scheme", "scope", "server",
+                 "server_state", "tasks", "transport", "url", "write_paused")
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -354,6 +384,8 @@ class HttpProtocol(asyncio.Protocol):
         self._begun = 0  # requests begun in the read being parsed
         self._discarding = False  # after a refusal: what comes is read and dropped
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        # Between requests; also the linger before a close (`close_soon`).
         self._idle_timer: asyncio.TimerHandle | None = None
 
     # --- the connection ----------------------------------------------------------------------
@@ -370,8 +402,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
-        self._cancel_head_timer()
-        self._cancel_idle_timer()
+        self._cancel_timers()
         for cycle in {self.active, self.cycle}:
             if cycle is not None and not cycle.response_complete:
                 cycle.lost()
@@ -438,6 +469,16 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_timer.cancel()
             self._idle_timer = None
 
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_head_timer()
+        self._cancel_body_timer()
+        self._cancel_idle_timer()
+
     def _head_timeout(self) -> None:
         self._head_timer = None
         if self.transport.is_closing():
@@ -452,10 +493,29 @@ class HttpProtocol(asyncio.Protocol):
         self._refuse(408, "The request line and headers did not arrive within "
                      f"{self.header_timeout_s:g}s.", "request_timeout")
 
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self._discarding or not self._in_message:
+            return
+        self._refuse(408, "The request body did not arrive within "
+                     f"{self.keep_alive_timeout_s:g}s.", "request_timeout")
+
     def _idle_timeout(self) -> None:
         self._idle_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+    def close_soon(self) -> None:
+        """Close after `LINGER_S` of reading and dropping whatever still comes (or as soon as
+        the caller closes its end): nginx's lingering close."""
+        self._discarding = True
+        self._pipeline = None
+        self._cancel_timers()
+        if self.transport.can_write_eof():
+            # Nothing more is written: the caller learns it now, after what was written.
+            self.transport.write_eof()
+        self.resume_reading()  # reading paused (a body past HIGH_WATER) would drain nothing
+        self._idle_timer = self.loop.call_later(LINGER_S, self._idle_timeout)
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -480,7 +540,13 @@ class HttpProtocol(asyncio.Protocol):
         except httptools.HttpParserError:
             self._refuse(400, "Invalid HTTP request received.", "invalid_http_request")
             return
-        if self._discarding or not self._in_head or self.transport.is_closing():
+        if self._discarding or self.transport.is_closing():
+            return
+        if not self._in_head:
+            if self._in_message and self._body_timer is None:
+                # A body is due: its clock starts with the head's end (this read's).
+                self._body_timer = self.loop.call_later(self.keep_alive_timeout_s,
+                                                        self._body_timeout)
             return
         if (continuing and self._begun == 0) or (idle and self._begun == 1):
             self._head_raw += len(data)  # the whole read was this head's
@@ -583,6 +649,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._discarding:
             return
         self._in_message = False
+        self._cancel_body_timer()
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return
@@ -610,6 +677,11 @@ class HttpProtocol(asyncio.Protocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
+        if cycle.more_body or self._discarding or not cycle.keep_alive:
+            # The answer said close (its body has not all come, or the caller or the app
+            # asked), or what follows it was refused: what still comes is no request to serve.
+            self.close_soon()
+            return
         self._cancel_idle_timer()
         self.resume_reading()
         if self._pipeline:
@@ -625,19 +697,33 @@ class HttpProtocol(asyncio.Protocol):
                      "bytes.", "request_header_fields_too_large")
 
     def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer what was read with `status` where nothing else is being answered, and close;
+        what follows is not read as requests."""
+        if self._discarding:
+            # Refused already: the parser reads on past a refusal made in its callback (a
+            # head too large) and may then fail too, but a caller gets one answer.
+            return
         self._discarding = True
         self._in_head = False
-        self._cancel_head_timer()
         self._pipeline = None  # requests queued behind it are not answered
-        if self.active is not None and not self.active.response_complete:
-            # An earlier request's response is still going out on this connection: an answer
-            # now would land inside it. Let it finish; the connection closes after it.
-            self.active.keep_alive = False
-            return
+        self._cancel_timers()
+        active = self.active
+        if active is not None and not active.response_complete:
+            if not active.more_body:
+                # The refused bytes follow the request being answered: an answer now would
+                # land inside or before its own. Let it finish; the connection closes after.
+                active.keep_alive = False
+                return
+            # The refused bytes are its own body's. Its app waits for that body, or for the
+            # caller to leave: the request is over, and the app is told so.
+            answered = active.response_started
+            active.response_started = active.response_complete = True
+            active.lost()
+            if answered:  # its answer has begun: nothing more can be said, only cut
+                self.transport.close()
+                return
         self.transport.write(_error_response(status, message, code))
-        # Closing with unread bytes in the socket would reset the connection and the client
-        # might never read the answer; drain for a moment, then close.
-        self.loop.call_later(1.0, self.transport.close)
+        self.close_soon()
 
 
 async def _unavailable(scope: Scope, receive: Any, send: Any) -> None:
