@@ -6,12 +6,14 @@ test; the "down" test closes the listening socket, so it runs on its own engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
 from http.client import HTTPConnection
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -119,7 +121,46 @@ def test_bad_fault_settings_name_the_field(faults: Server) -> None:
     assert status == 400 and body["error"]["message"].startswith("explode: unknown field")
     assert admin(faults, "GET") == (200, {"fail_rate": 0.0, "drop_rate": 0.0,
                                           "drop_after_tokens": 1, "stall_rate": 0.0,
-                                          "stall_after_tokens": 1, "stall_s": 0.0})
+                                          "stall_after_tokens": 1, "stall_s": 0.0,
+                                          "split_rate": 0.0, "split_pause_s": 0.002,
+                                          "spaced_rate": 0.0})
+    status, body = admin(faults, "POST", {"split_pause_s": 5})
+    assert status == 400 and body["error"]["message"].startswith("split_pause_s:")
+
+
+async def reads_of_a_stream(server: Server, tokens: int) -> list[bytes]:
+    """A chat stream (usage asked for) read through aiohttp as the bytes arrive, one entry
+    per read: where each read ends is what the split fault changes."""
+    body = {"model": MODEL, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "count"}]}
+    async with aiohttp.ClientSession() as session, session.post(
+            server.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        return [chunk async for chunk in resp.content.iter_any()]
+
+
+def test_split_and_spaced_frames_arrive_in_parts_and_reassemble(faults: Server) -> None:
+    admin(faults, "POST", {"split_rate": 1.0, "spaced_rate": 1.0})
+    reads = asyncio.run(reads_of_a_stream(faults, 12))
+    data = b"".join(reads)
+    events = data.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]", data[-200:]
+    # Role, 12 tokens, usage, [DONE]; each cut in 2-4 parts, most of them read on their own.
+    assert len(events) - 1 == 15
+    assert len(reads) > 15, len(reads)
+    assert sum(1 for r in reads if not r.endswith(b"\n\n")) >= 5, reads
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]).split() \
+        == ["the", "of", "a", "model", "engine", "token", "and", "to", "is", "in",
+            "simulated", "output"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert b'"usage": {"prompt_tokens": ' in data  # json.dumps' spacing, not vLLM's
+
+    # Without the faults: whole frames, compact JSON.
+    admin(faults, "DELETE")
+    data = b"".join(asyncio.run(reads_of_a_stream(faults, 12)))
+    assert b'"usage":{"prompt_tokens":' in data and b'"usage": {' not in data
 
 
 def test_down_refuses_connections_then_comes_back(faults: Server) -> None:

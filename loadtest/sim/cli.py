@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="share of streams that go silent for --stall-s seconds")
     f.add_argument("--stall-after-tokens", type=int, default=1)
     f.add_argument("--stall-s", type=float, default=0.0)
+    f.add_argument("--split-rate", type=float, default=0.0,
+                   help="share of streams whose every SSE frame is written in 2-4 parts")
+    f.add_argument("--split-pause-s", type=float, default=0.002,
+                   help="seconds between a split frame's parts (default: 0.002)")
+    f.add_argument("--spaced-rate", type=float, default=0.0,
+                   help="share of streams whose JSON is written with spaces, as json.dumps")
 
     d = EndpointOptions()
     o = parser.add_argument_group("endpoints (images, embeddings, the Responses API store)")
@@ -105,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    for name in ("fail_rate", "drop_rate", "stall_rate"):
+    for name in ("fail_rate", "drop_rate", "stall_rate", "split_rate", "spaced_rate"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be from 0 to 1")
     return SimConfig(
@@ -124,7 +130,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         faults=FaultSettings(fail_rate=args.fail_rate, drop_rate=args.drop_rate,
                              drop_after_tokens=args.drop_after_tokens,
                              stall_rate=args.stall_rate,
-                             stall_after_tokens=args.stall_after_tokens, stall_s=args.stall_s),
+                             stall_after_tokens=args.stall_after_tokens, stall_s=args.stall_s,
+                             split_rate=args.split_rate, split_pause_s=args.split_pause_s,
+                             spaced_rate=args.spaced_rate),
     )
 
 

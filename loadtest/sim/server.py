@@ -45,6 +45,7 @@ from loadtest.sim.faults import (
     FaultInjector,
     FaultSettings,
     RequestFaults,
+    Wire,
     parse_update,
 )
 from loadtest.sim.kv_events import KVEventPublisher, run_replay
@@ -371,6 +372,7 @@ class SimApp:
         frames = sse.Frames(parsed.kind == "chat", request.request_id,
                             self.spec.served_model_name, self._created)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        wire = Wire(send, faults)  # the frames as written: whole, or split or spaced by a fault
         # vLLM sends the assistant-role frame with the first token (its first engine output),
         # not at once: a client timing the first byte must see the prefill in it.
         role_pending = parsed.kind == "chat"
@@ -390,14 +392,12 @@ class SimApp:
             while sent < produced:
                 if drop_after is not None and sent >= drop_after:
                     if out:
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})
+                        await wire.write(b"".join(out), True)
                     return  # returning mid-response makes uvicorn close the connection
                 if stall_after is not None and sent == stall_after:
                     stall_after = None
                     if out:
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})
+                        await wire.write(b"".join(out), True)
                         out = []
                     await asyncio.sleep(faults.stall_s)
                     produced = request.num_output_tokens
@@ -412,12 +412,10 @@ class SimApp:
                     out.append(frames.usage(request.prompt_tokens, request.num_output_tokens,
                                             self._cached_tokens(request)))
                 out.append(sse.DONE)
-                await send({"type": "http.response.body", "body": b"".join(out),
-                            "more_body": False})
+                await wire.write(b"".join(out), False)
                 return
             if out:
-                await send({"type": "http.response.body", "body": b"".join(out),
-                            "more_body": True})
+                await wire.write(b"".join(out), True)
 
     async def _respond_whole(self, send: Send, chat: bool, request: SimRequest, sink: _Sink,
                              faults: RequestFaults) -> None:
