@@ -16,6 +16,15 @@ between fault ones, and each fault happens once, mid-window, under load:
     reload          the policy file edited (a tenant added, a quota changed), SIGHUP to one
                     replica, then to the other; a request with the new key on each shows when
                     each took it
+    split-flood     engine e0 writes every SSE frame in parts cut at random bytes, and half
+                    its streams' JSON with spaces (the simulator's split and spaced faults),
+                    from the window's onset to its end; meanwhile a flood of connections to
+                    replica A sends a request head (content-length 1000) and part or none of
+                    the body, then nothing (a few with a bad API key, a few with a malformed
+                    chunked body), held open for a bound, then closed; and a few callers read
+                    their whole streams and parse every SSE data line
+
+`--windows NAME,...` runs only those fault windows (with the warm-up and calm ones between).
 
 After each window sending stops, the window's requests drain, and the script waits until both
 replicas have nothing in flight, queued or reserved; then it reads Redis (the leases, the
@@ -43,6 +52,16 @@ at the end. What it reports (printed as tables, and as JSON with `--out`):
   window) of each fault window against the median of the calm windows;
 - the machine: cores, load average, CPU used by other processes than ours, the engines'
   late_s (steps run late for want of CPU).
+- split-flood: the checked callers' streams (goal: every one valid: each data line JSON, the
+  usage frame's completion_tokens = the tokens streamed, ending in [DONE]); the tokens the
+  load's callers saw in their usage frames against those the replicas charged (goal equal;
+  reported for every window); the flood's answers and how many connections the replica
+  closed by itself and when (reported); the replica's open connections (its side of each TCP
+  connection on its port, ESTABLISHED or CLOSE_WAIT, read from /proc/net/tcp: the gateway
+  has no metric of its own for them) before the flood, at its peak, at the hold's end and
+  once the flood has closed its side. Goal: back to the baseline, judged on the flood's own
+  connections (the load's keep-alive pool moves the total by a few): none still held at the
+  hold's end, past the body timeout (BODY_TIMEOUT_S), and none left after.
 
 Everything runs on 127.0.0.1; every loop is bounded in count and time; every process started
 here is stopped at the end, on Ctrl-C and on an exception too (SIGTERM is taken as Ctrl-C).
@@ -78,6 +97,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import aiohttp  # noqa: E402
 import redis  # noqa: E402  (after the path fix, so it runs from a checkout)
 
 from loadtest.client import RequestSpec, StreamClient  # noqa: E402
@@ -123,6 +143,9 @@ LEDGER = ("alpha", "beta")
 PROBE = "probe"          # no quota: the knee sweep and the probes
 ADDED = "delta"          # the tenant the reload adds
 REDIS_STOP_S = 20.0
+# Shorter than the gateway's default (30 s), so the flood's stalled bodies time out while the
+# short run still holds them; every well-formed body here comes whole with its head.
+BODY_TIMEOUT_S = 5.0
 STATE_FAULTS = ("redis-stop", "redis-restart")
 FAILURE_STATUSES = (500, 502, 504)
 MIB = 2**20
@@ -172,6 +195,8 @@ pools:
       queue_wait_max_s: 6
     backends:
 {backends}
+server:
+  body_timeout_s: {BODY_TIMEOUT_S:g}
 health:
   probe_interval_s: 1
   probe_timeout_s: 1
@@ -733,6 +758,227 @@ async def slow_header(port: int, i: int, bound_s: float) -> dict[str, Any]:
             "s": round(time.monotonic() - t0, 1)}
 
 
+# --- the flood of unfinished bodies, and streams checked frame by frame -----------------------
+
+# TCP states (/proc/net/tcp) in which a server still holds a connection's socket open.
+OPEN_STATES = {"01": "ESTABLISHED", "08": "CLOSE_WAIT"}
+DECLARED = 1000  # the content-length every flood head declares
+
+
+def server_sockets(port: int) -> list[tuple[int, str]]:
+    """(peer port, TCP state) of each connection this machine's listener on `port` holds
+    open: the gateway's side of its connections, read from the kernel, not from the gateway."""
+    out: list[tuple[int, str]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            f = ln.split()
+            if f[3] in OPEN_STATES and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.append((int(f[2].rsplit(":", 1)[1], 16), OPEN_STATES[f[3]]))
+    return out
+
+
+def flood_request(kind: str, i: int) -> bytes:
+    """What one flood connection sends before it falls silent: a head declaring DECLARED
+    bytes and part of them (`part-body`, `bad-key`) or none (`no-body`), or a chunked body
+    whose first chunk size is no hex number (`bad-chunked`)."""
+    body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "x" * DECLARED}]}).encode()[:DECLARED]
+    key = "not-a-key" if kind == "bad-key" else key_of(PROBE)  # no quota to touch
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n"
+            f"x-request-id: soak-flood-{i}\r\n")
+    if kind == "bad-chunked":
+        return (head + "transfer-encoding: chunked\r\n\r\nzz\r\n").encode() + body[:100]
+    head += f"content-length: {DECLARED}\r\n\r\n"
+    return head.encode() + (b"" if kind == "no-body" else body[:DECLARED * 2 // 5])
+
+
+async def unfinished(port: int, i: int, kind: str, bound_s: float,
+                     ports: set[int]) -> dict[str, Any]:
+    """One flood connection: its request, then silence until the server closes it or
+    `bound_s` passes (then this side closes it). What the server answered, and when it
+    closed, from the moment the request was sent; its local port goes into `ports`."""
+    t0 = time.monotonic()
+    got = b""
+    closed_s: float | None = None
+    ended = "held"
+    local = 0
+    writer: asyncio.StreamWriter | None = None
+    try:
+        reader, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        writer = w
+        local = w.get_extra_info("sockname")[1]
+        ports.add(local)
+        w.write(flood_request(kind, i))
+        await w.drain()
+        t0 = time.monotonic()
+        while (left := bound_s - (time.monotonic() - t0)) > 0:
+            try:
+                chunk = await asyncio.wait_for(reader.read(4096), left)
+            except TimeoutError:
+                break
+            if not chunk:
+                closed_s, ended = time.monotonic() - t0, "closed by server"
+                break
+            got += chunk
+    except ConnectionResetError:
+        closed_s, ended = time.monotonic() - t0, "reset by server"
+    except (OSError, TimeoutError) as exc:
+        ended = f"error: {type(exc).__name__}"
+    finally:
+        if writer is not None:
+            writer.transport.abort()
+    status = 0
+    with contextlib.suppress(ValueError, IndexError):
+        status = int(got.split(b"\r\n", 1)[0].split()[1])
+    return {"kind": kind, "status": status, "ended": ended, "local_port": local,
+            "closed_s": None if closed_s is None else round(closed_s, 2)}
+
+
+async def flood(port: int, n: int, bound_s: float, settle_s: float = 10.0) -> dict[str, Any]:
+    """`n` unfinished requests to one replica at once, held for `bound_s`, then closed. How
+    many connections the replica holds open (its side, from the kernel): before, at the
+    peak, at the hold's end (the flood's among them: those the replica did not close itself
+    past its body timeout, goal 0) and once the flood has closed its side (goal: none of the
+    flood's left, the rest the load's own)."""
+    odd = max(2, n // 20)
+    kinds = ["bad-key"] * odd + ["bad-chunked"] * odd
+    kinds += ["no-body" if k % 2 else "part-body" for k in range(n - len(kinds))]
+    ours: set[int] = set()
+
+    def census() -> tuple[int, list[str]]:
+        now = server_sockets(port)
+        return len(now), [state for peer, state in now if peer in ours]
+
+    baseline = len(server_sockets(port))
+    peak = baseline
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(unfinished(port, i, kind, bound_s, ours))
+             for i, kind in enumerate(kinds)]
+    end: tuple[int, list[str]] | None = None
+    while not all(t.done() for t in tasks):
+        total, held_now = census()
+        peak = max(peak, total)
+        # A second before the first connections' bound: every one has waited past the body
+        # timeout, none has been closed by this side yet.
+        if end is None and time.monotonic() - t0 >= bound_s - 1.0:
+            end = (total, held_now)
+        await asyncio.wait(tasks, timeout=0.5)
+    if end is None:  # the replica closed every one before the hold's end
+        end = census()
+    conns = [t.result() for t in tasks]
+    t1 = time.monotonic()
+    while True:
+        total, left = census()
+        if not left or time.monotonic() - t1 > settle_s:
+            break
+        await asyncio.sleep(0.25)
+    by_kind: dict[str, Any] = {}
+    for kind in dict.fromkeys(kinds):
+        mine = [c for c in conns if c["kind"] == kind]
+        closed = sorted(c["closed_s"] for c in mine if c["closed_s"] is not None)
+        by_kind[kind] = {
+            "sent": len(mine), "statuses": count([str(c["status"]) for c in mine]),
+            "ended": count([c["ended"] for c in mine]),
+            "closed_by_server": len(closed),
+            "closed_s_min_median_max": [closed[0], statistics.median(closed), closed[-1]]
+            if closed else None}
+    return {"port": port, "connections": n, "bound_s": bound_s, "by_kind": by_kind,
+            "open_before": baseline, "open_peak": peak,
+            "open_at_hold_end": end[0], "flood_held_at_hold_end": len(end[1]),
+            "open_after": total, "flood_left": len(left), "flood_left_states": count(left),
+            "settle_s": round(time.monotonic() - t1, 2)}
+
+
+def frame_problem(data: bytes, max_tokens: int) -> str | None:
+    """What is wrong with a whole chat stream as a caller reads it, or None: every event's
+    data line must be JSON (an error event counts as wrong), the stream must end with
+    [DONE] after a usage frame whose completion_tokens is the number of tokens streamed."""
+    events = data.replace(b"\r\n", b"\n").split(b"\n\n")
+    if events[-1].strip():
+        return f"ends mid-event: {events[-1][-80:]!r}"
+    tokens = 0
+    usage: dict[str, Any] | None = None
+    done = False
+    for event in events[:-1]:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                if line and not line.startswith(b":"):
+                    return f"not an SSE line: {line[:80]!r}"
+                continue
+            payload = line[5:].strip()
+            if done:
+                return f"an event after [DONE]: {payload[:80]!r}"
+            if payload == b"[DONE]":
+                done = True
+                continue
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                return f"a data line that is no JSON: {payload[:120]!r}"
+            if not isinstance(obj, dict) or "error" in obj:
+                return f"an error or odd event: {payload[:200]!r}"
+            if isinstance(obj.get("usage"), dict):
+                usage = obj["usage"]
+            tokens += sum(1 for c in obj.get("choices") or []
+                          if (c.get("delta") or {}).get("content"))
+    if not done:
+        return "no [DONE]"
+    if usage is None:
+        return "no usage frame"
+    if usage.get("completion_tokens") != tokens or tokens != max_tokens:
+        return f"usage says {usage.get('completion_tokens')} tokens, {tokens} streamed " \
+               f"(of {max_tokens})"
+    return None
+
+
+async def checked_streams(urls: list[str], until: float, max_tokens: int = 24,
+                          most: int = 16, gap_s: float = 2.0) -> dict[str, Any]:
+    """Well-formed streams, one at a time and to each replica in turn, spread until `until`
+    (loop time), at most `most` and `gap_s` apart or more (a light load beside the soak's),
+    each read whole and checked frame by frame (the load's client parses only a stream's
+    last event); with the probe tenant's key, so the ledgers' tenants are not charged."""
+    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "check every frame " * 8}]}
+    rows: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(url: str, i: int) -> dict[str, Any]:
+            headers = {"authorization": f"Bearer {key_of(PROBE)}",
+                       "x-request-id": f"soak-checked-{i}"}
+            try:
+                async with session.post(url + "/v1/chat/completions", json=body,
+                                        headers=headers) as resp:
+                    data = await resp.read()
+                    backend = resp.headers.get("x-gateway-backend")
+                    problem = frame_problem(data, max_tokens) if resp.status == 200 \
+                        else data[:200].decode(errors="replace")
+                    return {"id": i, "status": resp.status, "backend": backend,
+                            "problem": problem}
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return {"id": i, "status": 0, "backend": None,
+                        "problem": f"{type(exc).__name__}: {exc}"}
+
+        loop = asyncio.get_running_loop()
+        every = max(gap_s, (until - loop.time()) / most)
+        for i in range(most):
+            at = loop.time()
+            if at >= until:
+                break
+            rows.append(await one(urls[i % len(urls)], i))
+            await asyncio.sleep(max(0.0, at + every - loop.time()))
+    bad = [row for row in rows if row["status"] != 200 or row["problem"]]
+    return {"streams": len(rows), "by_backend": count([str(r["backend"]) for r in rows]),
+            "statuses": count([str(r["status"]) for r in rows]), "bad": len(bad),
+            "bad_examples": bad[:5]}
+
+
 # --- the schedule ---------------------------------------------------------------------------
 
 
@@ -745,11 +991,16 @@ class Window:
     params: dict[str, float] = field(default_factory=dict)
 
 
-def schedule(minutes: float) -> list[Window]:
-    """Calm windows between the six fault windows; the warm-up before them is not counted.
-    Fault windows get ~55% of the time; each at least what its fault and a recovery need."""
+FAULT_WINDOWS = ("redis-stop", "redis-restart", "engine-kill", "engine-stall", "slow-clients",
+                 "reload", "split-flood")
+
+
+def schedule(minutes: float, names: tuple[str, ...] = FAULT_WINDOWS) -> list[Window]:
+    """Calm windows between the fault windows (`names`, in their usual order); the warm-up
+    before them is not counted. Fault windows get ~55% of the time; each at least what its
+    fault and a recovery need."""
     total = minutes * 60.0
-    share = 0.55 * total / 6
+    share = 0.55 * total / len(names)
     onset = max(3.0, min(20.0, 0.12 * share))
 
     def fault(name: str, need: float, **params: float) -> Window:
@@ -760,6 +1011,7 @@ def schedule(minutes: float) -> list[Window]:
     stall_s = max(5.0, min(15.0, 0.1 * share))
     slow_s = max(12.0, min(60.0, 0.35 * share))
     reload_gap = max(3.0, min(30.0, 0.2 * share))
+    flood_s = max(12.0, min(60.0, 0.35 * share))
     faults = [
         fault("redis-stop", REDIS_STOP_S + 8, stop_s=REDIS_STOP_S),
         fault("redis-restart", 12, down_s=3.0),
@@ -768,8 +1020,13 @@ def schedule(minutes: float) -> list[Window]:
         fault("slow-clients", slow_s + 6, bound_s=slow_s, readers=8 if total > 600 else 4,
               headers=8 if total > 600 else 4),
         fault("reload", reload_gap + 6, gap_s=reload_gap),
+        # Held past BODY_TIMEOUT_S, then up to 10 s for the connections to go, and time to
+        # check streams after.
+        fault("split-flood", flood_s + 14, hold_s=flood_s,
+              connections=400 if total > 600 else 200),
     ]
-    calm = max(6.0, (total - sum(f.length_s for f in faults)) / 7)
+    faults = [f for f in faults if f.name in names]
+    calm = max(6.0, (total - sum(f.length_s for f in faults)) / (len(faults) + 1))
     out = [Window("warm-up", "warmup", max(10.0, min(60.0, 0.05 * total)))]
     for f in faults:
         out += [Window(f"calm-{len(out)}", "calm", calm), f]
@@ -841,6 +1098,24 @@ async def run_fault(w: Window, cluster: Cluster, start: float, note: Event) -> d
         out["sighup_B"] = await blocking(cluster.sighup, 1)
         out["new_key_after_B"] = [await blocking(ask, 0), await blocking(ask, 1)]
         note("SIGHUP to B", out["sighup_B"])
+    elif w.name == "split-flood":
+        status = await blocking(cluster.engine_post, 0, "POST",
+                                {"split_rate": 1.0, "spaced_rate": 0.5})
+        note("engine e0 splits its frames", {"status": status})
+        # The checked streams go on while the engine splits; the flood, held, then closed.
+        until = asyncio.get_running_loop().time() + w.length_s - w.onset_s - 2
+        checked = asyncio.create_task(checked_streams(cluster.gateway_urls, until))
+        port = cluster.gateways[0].port
+        note("flood starts", {"replica": "A", "connections": int(p["connections"])})
+        out["flood"] = await flood(port, int(p["connections"]), p["hold_s"])
+        f = out["flood"]
+        note("flood done", {k: f[k] for k in ("open_before", "open_peak", "open_at_hold_end",
+                                              "flood_held_at_hold_end", "open_after",
+                                              "flood_left")})
+        out["checked"] = await checked
+        await at(w.length_s)
+        status = await blocking(cluster.engine_post, 0, "DELETE")
+        note("engine e0 split fault cleared", {"status": status})
     return out
 
 
@@ -1080,10 +1355,29 @@ def window_row(k: int, w: Window, outcome: Outcome, offset: int, cfg: Config,
         "redis_held_after": held(after.redis),
         "redis_after": {k2: v for k2, v in after.redis.items() if k2 not in ("buckets", "keys")},
         "ledger": ledger(before, after, quotas.day),
+        "usage_vs_charged": usage_vs_charged(samples, offset, before, after),
         "engines_late_s": after.late_s,
         "observed": observed,
         "generator_cpu": round(outcome.cpu_fraction, 3),
     }
+
+
+def usage_vs_charged(samples: list[Sample], offset: int, before: Checkpoint,
+                     after: Checkpoint) -> dict[str, Any]:
+    """Each ledger tenant's tokens as its callers saw them in the usage frames, against what
+    the replicas charged it (gateway_tokens_total). `complete`: every one of its requests
+    either ended with a usage frame or was refused (429, 503), so the two should match."""
+    out: dict[str, Any] = {}
+    for tenant in LEDGER:
+        mine = [s for s in samples if tenant_of(offset + s.index) == tenant]
+        seen = sum(s.result.usage.prompt_tokens + s.result.usage.completion_tokens
+                   for s in mine if s.result.ok and s.result.usage is not None)
+        complete = all((s.result.ok and s.result.usage is not None)
+                       or s.result.status in (429, 503) for s in mine)
+        out[tenant] = {"seen": seen, "complete": complete,
+                       "charged": charged(after.scrapes, tenant)
+                       - charged(before.scrapes, tenant)}
+    return out
 
 
 def error_counts(samples: list[Sample], limit: int = 6) -> dict[str, int]:
@@ -1150,6 +1444,7 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
                             f"{min((d for _, _, d in judged), default=0):+.1f} tokens; "
                             f"holds left: {held_q or 'none'}",
                 "met": bool(judged) and not held_q})
+    out += split_flood_verdicts(rows)
     for g in result["replicas"]:
         for what, key in (("RSS (VmRSS)", "rss"), ("anonymous RSS (RssAnon)", "anon")):
             pct = g.get(f"{key}_end_vs_start_pct")
@@ -1165,6 +1460,40 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"goal": f"replica {g['name']}: event-loop lag P99 (reported)",
                     "measured": f"<= {_ms(g['loop_lag_p99_ms'])} ms", "met": None})
     return out
+
+
+def split_flood_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The split-flood window's own goals (its 5xx, leases and ledgers are judged above)."""
+    row = next((r for r in rows if r["name"] == "split-flood"), None)
+    if row is None or "flood" not in row["observed"]:
+        return []
+    c, f = row["observed"]["checked"], row["observed"]["flood"]
+    uvc = row["usage_vs_charged"]
+    closed = {k: (v["closed_by_server"], v["sent"], v["closed_s_min_median_max"])
+              for k, v in f["by_kind"].items()}
+    return [
+        {"goal": "split-flood: well-formed streams valid while e0 splits and spaces its frames "
+                 "(each data line JSON, usage = tokens streamed, [DONE])",
+         "measured": f"{c['streams']} streams by backend {c['by_backend']}, {c['bad']} bad"
+                     + (f": {c['bad_examples'][:2]}" if c["bad"] else ""),
+         "met": c["streams"] > 0 and c["bad"] == 0 and c["by_backend"].get("e0", 0) > 0},
+        {"goal": "split-flood: callers' usage frames = tokens charged (ledger tenants)",
+         "measured": ", ".join(f"{t} seen {v['seen']} charged {v['charged']:g}"
+                               + ("" if v["complete"] else " (not all complete)")
+                               for t, v in uvc.items()),
+         "met": all(v["seen"] == v["charged"] for v in uvc.values() if v["complete"])},
+        {"goal": "split-flood: the gateway's open connections back to the baseline after the "
+                 "flood (none of the flood's held past the body timeout, nor left after it)",
+         "measured": f"replica A: {f['open_before']} before, {f['open_peak']} at the peak, "
+                     f"{f['open_at_hold_end']} at the hold's end ({f['bound_s']:g} s; the "
+                     f"flood's {f['flood_held_at_hold_end']}), {f['open_after']} once the "
+                     f"flood closed (the flood's {f['flood_left']} "
+                     f"{f['flood_left_states'] or ''})",
+         "met": f["flood_held_at_hold_end"] == 0 and f["flood_left"] == 0},
+        {"goal": f"split-flood: connections the replica closed itself within the "
+                 f"{f['bound_s']:g} s hold (closed, sent, [min, median, max] s)",
+         "measured": str(closed), "met": None},
+    ]
 
 
 def goodput_table(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1261,7 +1590,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", help="logs, policy and sweep here (default: a temp dir, "
                                       "kept when the run fails)")
     ap.add_argument("--out", metavar="FILE.json", help="write the whole report as JSON")
+    ap.add_argument("--windows", metavar="NAME,...",
+                    help="only these fault windows, of " + ", ".join(FAULT_WINDOWS))
     args = ap.parse_args(argv)
+    if args.windows:
+        args.windows = tuple(w.strip() for w in args.windows.split(",") if w.strip())
+        unknown = sorted(set(args.windows) - set(FAULT_WINDOWS))
+        if unknown or not args.windows:
+            ap.error(f"--windows: unknown {unknown}; expected some of {', '.join(FAULT_WINDOWS)}")
+    else:
+        args.windows = FAULT_WINDOWS
     if args.trace is None and args.synthetic is None:
         if not AZURE.exists():
             ap.error(f"no trace at {AZURE}: give --trace FILE or --synthetic SPEC")
@@ -1303,7 +1641,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(args.minutes, args.rate, args.load, slo, args.trace, args.synthetic, args.seed,
                  args.drain, args.quiet_timeout, args.knee_attainment, args.knee_duration,
                  args.knee_from)
-    windows = schedule(args.minutes)
+    windows = schedule(args.minutes, args.windows)
     knee: dict[str, Any] | None = None
     if args.knee_from:
         knee = json.loads(Path(args.knee_from).read_text())["knee"]

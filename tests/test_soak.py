@@ -2,11 +2,14 @@
 
 `benchmarks/soak.py` runs two replicas sharing a Redis in front of two simulated engines and,
 window by window, stops Redis for 20 s, restarts it, kills and restarts an engine, stalls an
-engine's streams, sends slow readers and slow request heads, and reloads the policy on one
-replica then the other. Here it runs its ~2-minute schedule at a light load with short
-outputs, and the test holds it to the goals: no 5xx failure from the gateway, nothing reserved
-in Redis or on the replicas after any window, no quota tokens held back, memory back near its
-start. The figures of the long runs are in docs/benchmarks.md.
+engine's streams, sends slow readers and slow request heads, reloads the policy on one
+replica then the other, and has an engine split its SSE frames and space its JSON while a
+flood of requests whose bodies never finish is held open on one replica. Here it runs its
+~2-minute schedule at a light load with short outputs, and the test holds it to the goals: no
+5xx failure from the gateway, nothing reserved in Redis or on the replicas after any window, no
+quota tokens held back, memory back near its start, every stream valid while the engine splits
+its frames, and none of the flood's connections left on the replica after it. The figures of
+the long runs are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 from tests.servers import ROOT
 
 FAULTS = ["redis-stop", "redis-restart", "engine-kill", "engine-stall", "slow-clients",
-          "reload"]
+          "reload", "split-flood"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,8 @@ def test_every_fault_happened(soak: dict[str, Any]) -> None:
     events = [e["event"] for e in soak["events"]]
     for what in ("redis SIGSTOP", "redis SIGCONT", "redis SIGKILL", "redis started again",
                  "engine e0 SIGKILL", "engine e0 started again", "engine e1 stalls every stream",
-                 "engine e1 stall fault cleared", "slow clients done"):
+                 "engine e1 stall fault cleared", "slow clients done",
+                 "engine e0 splits its frames", "flood done", "engine e0 split fault cleared"):
         assert what in events, events
     reload = next(w for w in soak["windows"] if w["name"] == "reload")["observed"]
     assert reload["sighup_A"]["ok"] and reload["sighup_B"]["ok"], reload
@@ -93,3 +97,22 @@ def test_memory_back_near_its_start(soak: dict[str, Any]) -> None:
     for g in soak["replicas"]:
         # Generous: two minutes are too short for the 10% goal to mean much either way.
         assert g["rss_end_vs_start_pct"] is not None and g["rss_end_vs_start_pct"] < 50, g
+
+
+@pytest.mark.timeout(400)
+def test_split_frames_and_the_flood(soak: dict[str, Any]) -> None:
+    """While engine e0 splits its SSE frames at random bytes and spaces half its streams'
+    JSON: every checked stream is valid and the usage its callers saw is what was charged.
+    A flood of requests whose bodies never finish, held open on replica A, then closed: the
+    replica closes them itself and none of them is left open on it after."""
+    window = next(w for w in soak["windows"] if w["name"] == "split-flood")
+    checked, flood = window["observed"]["checked"], window["observed"]["flood"]
+    assert checked["streams"] >= 4 and checked["by_backend"].get("e0", 0) > 0, checked
+    assert checked["bad"] == 0, checked
+    for tenant, v in window["usage_vs_charged"].items():
+        assert not v["complete"] or v["seen"] == v["charged"], (tenant, v)
+    # The bad key is refused before the body is read.
+    assert flood["by_kind"]["bad-key"]["statuses"] == {"401": flood["by_kind"]["bad-key"]["sent"]}
+    assert flood["open_peak"] > flood["open_before"], flood  # the flood reached the replica
+    # The replica closed each one itself past its body timeout, and none is left after.
+    assert flood["flood_held_at_hold_end"] == 0 and flood["flood_left"] == 0, flood
