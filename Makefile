@@ -10,7 +10,7 @@ PORT   ?= 8080
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,loadtest]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

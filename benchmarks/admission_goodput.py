@@ -22,7 +22,7 @@ Part B (Mooncake conversation trace, which has a real long-context tail): short 
 one mixed pool. Goal: at most half.
 
 Everything runs on loopback, bounded in time; the engines run slower than real (--time-scale)
-so that a 2-core machine can drive them past saturation. Traces: ../shared/traces (Azure
+so that a 2-core machine can drive them past saturation. Traces: traces/ (Azure
 LLM inference trace 2023, CC-BY-4.0, Microsoft Azure; Mooncake, Apache-2.0, kvcache-ai).
 
     .venv/bin/python benchmarks/admission_goodput.py [--part a|b] [--engine 8b|70b] [--quick]
@@ -51,12 +51,14 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.servers import free_port  # noqa: E402  (after the path fix, so it runs from a checkout)
+# After the path fix, so it runs from a checkout:
+from gateway.cost.traces import open_trace  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
-TRACES = ROOT.parent / "shared" / "traces"
-AZURE = TRACES / "azure_llm_2023_conv.csv"
-MOONCAKE = TRACES / "mooncake_conversation.jsonl"
+TRACES = ROOT / "traces"
+AZURE = TRACES / "azure_llm_2023_conv.csv.xz"
+MOONCAKE = TRACES / "mooncake_conversation.jsonl.xz"
 
 TIME_SCALE = 4.0
 KNEE_ATTAINMENT = 95.0  # the knee: the highest rate whose SLO attainment holds this
@@ -413,7 +415,7 @@ def split_mooncake(tmp: Path, limit_s: float) -> tuple[Path, Path]:
     """Short (< 8,192 prompt tokens) and long requests of the trace's first `limit_s`
     seconds, prompts capped to the pools' context (32K), as two trace files."""
     short, long_ = tmp / "mooncake-short.jsonl", tmp / "mooncake-long.jsonl"
-    with open(MOONCAKE) as src, open(short, "w") as s, open(long_, "w") as ln:
+    with open_trace(MOONCAKE) as src, open(short, "w") as s, open(long_, "w") as ln:
         for line in src:
             rec = json.loads(line)
             if rec["timestamp"] > limit_s * 1000:

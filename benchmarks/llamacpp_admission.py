@@ -56,7 +56,7 @@ from loadtest.llamacpp.server import EngineShape, llama_server_binary, server_ar
 from tests.servers import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
-AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+AZURE = ROOT / "traces" / "azure_llm_2023_conv.csv.xz"
 SHAPE = EngineShape(slots=4, slot_context=4096, threads=1)
 SLO = {"ttft": 2.0, "tpot": 0.05}
 SLO_ARG = f"ttft={SLO['ttft']:g}s,tpot={SLO['tpot'] * 1000:.0f}ms"

@@ -55,6 +55,7 @@ from benchmarks.prefix_routing import (  # noqa: E402  (after the path fix)
     TP,
 )
 from gateway.admission.decision import BackendView  # noqa: E402
+from gateway.cost.traces import open_trace  # noqa: E402
 from gateway.routing import PrefixRule, most_headroom_first, prefix_order  # noqa: E402
 from loadtest.sim.config import SimConfig  # noqa: E402
 from loadtest.sim.steptime import StepTimeModel  # noqa: E402
@@ -85,7 +86,8 @@ def chained(ids: Sequence[int]) -> tuple[int, ...]:
 
 
 def mooncake(stretch: float) -> list[Request]:
-    rows = [json.loads(line) for line in MOONCAKE.open()]
+    with open_trace(MOONCAKE) as f:
+        rows = [json.loads(line) for line in f]
     return [Request(r["timestamp"] / 1000 * stretch, chained(r["hash_ids"]), r["input_length"])
             for r in rows]
 

@@ -8,7 +8,7 @@ behind one gateway whose pool routes by:
   (c) precise prefix: the engines' own KV cache events over ZMQ (`precise`, `kv_events`);
   (d) session affinity by conversation, consistent hashing (`session`).
 Workloads, each on fresh engines and a fresh gateway:
-  mooncake   the Mooncake conversation trace (../shared/traces, its `hash_ids` as 512-token
+  mooncake   the Mooncake conversation trace (traces/, its `hash_ids` as 512-token
              blocks of shared text): a sample of its conversations, every turn of each (a
              conversation: the requests sharing their first two hash ids), arrivals at the
              trace's own times rescaled to RATE; prompts as in the trace (capped to 30K),
@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.admission_goodput import processes  # noqa: E402  (after the path fix)
+from gateway.cost.traces import open_trace  # noqa: E402
 from gateway.prefix import block_hashes  # noqa: E402
 from loadtest.client import RequestSpec, StreamClient, completion_request  # noqa: E402
 from loadtest.report import Sample, figures  # noqa: E402
@@ -63,7 +64,7 @@ from loadtest.workload import MultiTurn, multiturn_items  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+MOONCAKE = ROOT / "traces" / "mooncake_conversation.jsonl.xz"
 
 TIME_SCALE = 4.0            # benchmarks/admission_goodput.py's
 MODEL, TP, ENGINES = "llama-3.3-70b", 4, 4
@@ -122,7 +123,8 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def mooncake(shape: Shape, seed: int = 1) -> Workload:
-    rows = [json.loads(line) for line in MOONCAKE.open()]
+    with open_trace(MOONCAKE) as f:
+        rows = [json.loads(line) for line in f]
     groups: dict[Any, list[int]] = {}
     for i, r in enumerate(rows):
         h = r["hash_ids"]

@@ -124,7 +124,7 @@ from tests.servers import (  # noqa: E402
     wait_http,
 )
 
-AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+AZURE = ROOT / "traces" / "azure_llm_2023_conv.csv.xz"
 MODEL = "bench"
 TIME_SCALE = 4.0
 # A small engine made slow (issue 5's 8B setup): Llama-3-8B on one H100, KV cut to 1,536

@@ -235,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     for path in (traffic.AZURE, traffic.MOONCAKE):
         if not path.exists():
-            print(f"loadtest fleet: missing trace {path}", file=sys.stderr)
+            print(f"loadtest fleet: missing trace {path} (the traces ship in the repository's "
+                  "traces/, not in the package: run it from a clone)", file=sys.stderr)
             return 1
     if grid is None:
         out["validation"] = validate(args.seed)

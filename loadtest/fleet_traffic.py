@@ -30,9 +30,10 @@ from gateway.cost.traces import TraceRequest, read_trace
 from loadtest.fleet import Job
 from loadtest.workload import Arrival, arrival_times
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
-AZURE = TRACES / "azure_llm_2023_conv.csv"
-MOONCAKE = TRACES / "mooncake_conversation.jsonl"
+# The repository's traces (traces/README.md): a clone has them; an installed package does not.
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+AZURE = TRACES / "azure_llm_2023_conv.csv.xz"
+MOONCAKE = TRACES / "mooncake_conversation.jsonl.xz"
 LONG_PROMPT = 8192
 LONG_OUTPUT_MAX = 1500
 

@@ -62,7 +62,8 @@ def add_load_options(p: argparse.ArgumentParser, *, url: bool = True, pace: bool
                             " repeat it to spread the load round robin over several engines")
     p.add_argument("--model", help="model name to send (default: the first the target lists)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace: lengths (and arrivals)")
+    src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace, plain, .xz or .gz: "
+                                     "lengths (and arrivals)")
     src.add_argument("--synthetic", metavar="SPEC",
                      help="in=DIST,out=DIST; DIST is N, uniform:LO:HI or lognormal:P50:P99")
     src.add_argument("--multiturn", metavar="SPEC",

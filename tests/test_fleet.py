@@ -18,8 +18,6 @@ from loadtest.fleet import FleetSpec, Job, simulate
 from loadtest.sim import vloop
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_traces = pytest.mark.skipif(not traffic.AZURE.exists() or not traffic.MOONCAKE.exists(),
-                                  reason="../shared/traces not present")
 
 
 def test_virtual_loop_jumps_time_and_keeps_order() -> None:
@@ -78,7 +76,6 @@ def test_overload_rejects_early_where_direct_collapses() -> None:
                                       "rejected/kv_blocks"}
 
 
-@needs_traces
 def test_superposed_trace_keeps_the_rate_and_is_seeded() -> None:
     azure = traffic.load(traffic.AZURE)
     jobs = traffic.superposed(azure, 500.0, 60.0, seed=3)
@@ -92,7 +89,6 @@ def test_superposed_trace_keeps_the_rate_and_is_seeded() -> None:
     assert all(j.prompt_tokens + j.output_tokens <= 32768 for j in mixed)
 
 
-@needs_traces
 def test_validation_reproduces_the_real_benchmark_within_15_percent() -> None:
     # Issue 22's goal, on the real benchmark's first (b) run and its direct run: 2 x TP=4 70B,
     # engines 4x slower, 12.27 req/s of the Azure trace, 60 s (docs/benchmarks.md).
@@ -150,7 +146,6 @@ def _fleet(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-@needs_traces
 def test_fleet_command_small_scale(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
     done = _fleet("--tp", "8", "--replicas", "2", "--loads", "2", "--duration", "6",

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "traces"
 GiB = 2**30
 M70 = ["--model", "generic-70b-gqa", "--gpu", "h100-sxm-80gb"]
 
@@ -81,10 +81,9 @@ def test_littles_law_concurrency_and_text_output() -> None:
     assert "48.8 GiB in all, 6.1 GiB per GPU" in text.stdout
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
 def test_trace_overflow_probability_is_seeded() -> None:
-    args = (*M70, "--concurrency", "128", "--trace", str(TRACES / "mooncake_conversation.jsonl"),
-            "--samples", "400", "--seed", "7")
+    args = (*M70, "--concurrency", "128", "--trace",
+            str(TRACES / "mooncake_conversation.jsonl.xz"), "--samples", "400", "--seed", "7")
     first, second = plan_json(*args), plan_json(*args)
     assert first == second
     assert (first["prompt_p50"], first["prompt_p99"]) == (6909, 85_401)  # README: 6,909 and ~85,400

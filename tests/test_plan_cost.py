@@ -103,10 +103,9 @@ def test_rate_alone_derives_concurrency_from_the_roofline() -> None:
     assert r["primary"]["cost"] is None  # no price, no money
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
 def test_trace_goodput_charges_preempted_requests_to_the_rest() -> None:
     r = plan_json(*M70, "--concurrency", "64", "--trace",
-                  str(TRACES / "mooncake_conversation.jsonl"), "--samples", "400", "--seed", "7",
+                  str(TRACES / "mooncake_conversation.jsonl.xz"), "--samples", "400", "--seed", "7",
                   "--gpu-hour", "2.5")
     tp8, tp4 = r["layouts"]
     assert r["lengths"]["source"] == "trace means"

@@ -1,8 +1,9 @@
 """Request traces: prompt and output lengths (and arrival times) of real traffic.
 
-Two public formats (see ../shared/traces/README.md):
+Two public formats (the repository's traces/README.md has both traces):
   Azure LLM inference CSV   TIMESTAMP,ContextTokens,GeneratedTokens   (wall-clock timestamps)
   Mooncake JSONL            {"timestamp": ms, "input_length", "output_length", "hash_ids"}
+Either may be compressed, chosen by suffix: `.xz` (as traces/ ships them) or `.gz`.
 Both become `TraceRequest`s with arrival times in seconds from the first request. The capacity
 planner samples their lengths; the load tester replays their arrivals. A bad line is an error that
 names the file and the line, never a silently skipped request.
@@ -11,15 +12,19 @@ names the file and the line, never a silently skipped request.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import lzma
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 TraceFormat = Literal["azure", "mooncake"]
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+COMPRESSED = (".xz", ".gz")
 
 
 class TraceError(ValueError):
@@ -35,15 +40,31 @@ class TraceRequest:
     block_hashes: tuple[int, ...] = ()
 
 
-def detect_format(path: Path) -> TraceFormat:
-    """By extension, else by the first non-blank character (`{` is JSON lines)."""
+def open_trace(path: str | Path) -> IO[str]:
+    """The trace file as text, decompressed by its suffix (`.xz`, `.gz`; else plain)."""
+    path = Path(path)
     suffix = path.suffix.lower()
+    # newline="": the csv module reads the line endings itself; JSON lines do not mind.
+    if suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8", newline="")
+    if suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return path.open(encoding="utf-8", newline="")
+
+
+def detect_format(path: Path) -> TraceFormat:
+    """By extension (under a compression suffix), else by the first non-blank character (`{`
+    is JSON lines)."""
+    name = path.name.lower()
+    for compressed in COMPRESSED:
+        name = name.removesuffix(compressed)
+    suffix = Path(name).suffix
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "mooncake"
     if suffix == ".csv":
         return "azure"
     try:
-        with path.open(encoding="utf-8") as f:
+        with open_trace(path) as f:
             head = f.read(256).lstrip()
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
@@ -64,7 +85,7 @@ def _count(value: Any, where: str, field: str) -> int:
 
 
 def _iter_azure(path: Path) -> Iterator[TraceRequest]:
-    with path.open(encoding="utf-8", newline="") as f:
+    with open_trace(path) as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
@@ -98,7 +119,7 @@ def _iter_azure(path: Path) -> Iterator[TraceRequest]:
 
 def _iter_mooncake(path: Path) -> Iterator[TraceRequest]:
     first: float | None = None
-    with path.open(encoding="utf-8") as f:
+    with open_trace(path) as f:
         for number, line in enumerate(f, start=1):
             where = f"{path}:{number}"
             if not line.strip():
@@ -132,11 +153,13 @@ def iter_trace(path: str | Path, fmt: TraceFormat | None = None) -> Iterator[Tra
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
-    kind = fmt or detect_format(path)
     try:
+        kind = fmt or detect_format(path)
         yield from (_iter_mooncake(path) if kind == "mooncake" else _iter_azure(path))
     except UnicodeDecodeError as exc:
         raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except (EOFError, lzma.LZMAError, zlib.error, gzip.BadGzipFile) as exc:
+        raise TraceError(f"{path}: cannot decompress: {exc}") from None
 
 
 def read_trace(path: str | Path, fmt: TraceFormat | None = None) -> list[TraceRequest]:
