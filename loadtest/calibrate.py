@@ -39,10 +39,12 @@ from gateway.policy.loader import parse_policy
 from gateway.policy.model import Learned, Policy
 from gateway.signals.engines import parse_engine_metrics
 from loadtest import __version__
+from loadtest.extras import MissingExtra, require
 from loadtest.run_cli import (
     UsageError,
     add_load_options,
     add_report_option,
+    fail,
     make_builder,
     note,
     prepare,
@@ -398,4 +400,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # before the sweep: the rewrite at its end needs it, dry run or not
+        require("ruamel.yaml", "calibrate needs ruamel.yaml to rewrite the policy")
+    except MissingExtra as exc:
+        return fail(str(exc))
     return run_command(args, _run)

@@ -27,10 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loadtest.plot import require_matplotlib
 from loadtest.report import Sample, SloError, parse_slo
-
-MISSING = ("--report needs matplotlib, a dependency of this project: reinstall it "
-           "(`make` does, or pip install -e .)")
 
 STYLE = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto;
@@ -50,14 +48,7 @@ img { max-width: 100%; height: auto; display: block; margin: 0.4em 0; }
 
 
 def require_pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError(MISSING) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return require_matplotlib("--report needs matplotlib")
 
 
 # --- the page -----------------------------------------------------------------------------------

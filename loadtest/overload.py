@@ -42,6 +42,8 @@ from gateway.policy import PolicyError, load_policy
 from gateway.policy.model import Policy, PoolSpec
 from gateway.profiles import get_gpu
 from loadtest import gateway_metrics
+from loadtest.extras import MissingExtra
+from loadtest.plot import require_matplotlib
 from loadtest.report import format_slo
 from loadtest.run_cli import (
     UsageError,
@@ -83,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:  # before both runs, not after them
+        try:
+            require_matplotlib("--report needs matplotlib")
+        except MissingExtra as exc:
+            return fail(str(exc))
     try:
         policy = load_policy(args.policy)
     except PolicyError as exc:

@@ -1,7 +1,8 @@
 """PNG plots of a run (latencies over time) and of a sweep (percentiles and goodput vs load).
 
 matplotlib is imported only here (and in loadtest/html_report.py) and only when a plot is asked
-for: it takes ~0.5 s to import, which a run without plots need not pay.
+for: it takes ~0.5 s to import, which a run without plots need not pay, and it is in the
+`loadtest` extra, not a dependency of the gateway (loadtest/extras.py).
 """
 
 from __future__ import annotations
@@ -9,18 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loadtest.extras import require
 from loadtest.report import Sample
 
-_MISSING = ("--plot and --report need matplotlib, a dependency of this project that is not "
-            "installed here: reinstall the project (`make` does) or pip install matplotlib")
 
-
-def require_matplotlib() -> Any:
-    """The pyplot module with a file-only backend; RuntimeError with the install hint if absent."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError(_MISSING) from None
+def require_matplotlib(needed: str = "--plot and --report need matplotlib") -> Any:
+    """The pyplot module with a file-only backend; MissingExtra (a RuntimeError) saying what to
+    install if matplotlib is absent."""
+    matplotlib = require("matplotlib", needed)
     matplotlib.use("Agg")  # no display here, and none wanted
     import matplotlib.pyplot as plt
 

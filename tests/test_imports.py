@@ -8,6 +8,8 @@ Every import statement counts, wherever it stands (module level, inside a functi
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,3 +117,31 @@ def test_decisions_know_nothing_of_http_and_gateway_never_imports_loadtest() -> 
         if module.startswith(DECISIONS):
             bad = [n for n in names if n.startswith(HTTP_SIDE)]
             assert not bad, f"{module} imports {bad}"
+
+
+# The `loadtest` extra (pyproject.toml): only the load tester's plots and calibrate's policy
+# rewrite use these, and the gateway is installed and served without them.
+EXTRA = ("matplotlib", "ruamel")
+
+
+def test_no_gateway_module_imports_the_loadtest_extra() -> None:
+    for module in MODULES:
+        bad = [n for n, _ in imports(module) if n.split(".")[0] in EXTRA]
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_the_gateway_and_the_commands_load_nothing_of_the_loadtest_extra() -> None:
+    # Imported for real, in a fresh interpreter: a chain through another library counts too.
+    # Every gateway module, and every command's module of `gateway` and `loadtest` (the load
+    # tester's import matplotlib and ruamel.yaml only where a plot or a rewrite is asked for).
+    modules = sorted(m for m in MODULES if not m.endswith("__main__"))
+    code = ("import importlib, sys\n"
+            "from gateway.cli import COMMANDS as G\n"
+            "from loadtest.cli import COMMANDS as L\n"
+            "for m in [*sys.argv[1:], *(m for m, _ in [*G.values(), *L.values()])]:\n"
+            "    importlib.import_module(m)\n"
+            f"print(' '.join(sorted(n for n in sys.modules if n.split('.')[0] in {EXTRA!r})))\n")
+    done = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""

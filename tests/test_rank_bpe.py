@@ -115,7 +115,7 @@ def _until(done: Any, timeout_s: float = 10.0) -> None:
 
 
 class _WrongCore:
-    """Stands in for tiktoken's core to give wrong ids: what the canary must catch."""
+    """Stands in for tiktoken's Encoding to give wrong ids: what the canary must catch."""
 
     def encode_ordinary(self, text: str) -> list[int]:
         return [0] * (len(text) + 1)
