@@ -40,7 +40,6 @@ from gateway.api import admin, ops, passthrough
 from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
-from gateway.http1 import EnginePool
 from gateway.observe.metrics import GatewayMetrics
 from gateway.pipeline import Gate
 from gateway.policy import Policy, PolicyError, load_policy
@@ -49,6 +48,7 @@ from gateway.protocol import error_type
 from gateway.runtime import Runtime, build_runtime, load_counters, make_engine_pool, make_session
 from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
+from gateway.upstream.native import EnginePool
 
 STATE_WARM_S = 3.0  # at most this long at start for the state store to answer
 

@@ -21,7 +21,7 @@ import aiohttp
 
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import BackendSpec, Policy, PoolSpec
-from gateway.serving.heap import forget
+from gateway.upstream.aio import forget
 
 log = logging.getLogger("gateway.backends")
 
@@ -143,8 +143,8 @@ class Backends:
         # answers 401 to a bare probe and would look down forever.
         headers = {"authorization": b.auth_header} if b.auth_header else None
         try:
-            # A redirect is not followed, as requests' are not (gateway/proxy.py): the backend
-            # is down until its url is where the engine answers.
+            # A redirect is not followed, as requests' are not (gateway/upstream/forward.py):
+            # the backend is down until its url is where the engine answers.
             async with session.get(b.probe_url, timeout=timeout, headers=headers,
                                    allow_redirects=False) as resp:
                 await resp.read()

@@ -10,8 +10,8 @@ from typing import Protocol
 
 from gateway.errors import GatewayError
 from gateway.protocol import Endpoint
-from gateway.proxy import Send
 from gateway.records import record
+from gateway.upstream.forward import Send
 
 Headers = Mapping[bytes, bytes]
 

@@ -8,7 +8,7 @@
     estimate   KV blocks and token work                                     gateway/cost/work.py
     quota      the tenant's token buckets                                   gateway/quotas.py
     admit      admit now, queue, or refuse                                  gateway/admission/
-    forward    to the engine, the answer streamed back as it comes          gateway/proxy.py
+    forward    to the engine, the answer streamed back as it comes          gateway/upstream/
     observe    metrics, access log, accounting, the latency guard           gateway/observe/
     release    the reservation and the quota, whatever ended the request
 
@@ -52,10 +52,10 @@ from gateway.protocol import (
     parse_request,
     set_header,
 )
-from gateway.proxy import STAGE_CLOCK, ClientGone, Relay, Upstream
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
 from gateway.runtime import Runtime
+from gateway.upstream.forward import STAGE_CLOCK, ClientGone, Relay, Upstream
 
 log = logging.getLogger("gateway.api")
 

@@ -17,16 +17,17 @@ from gateway.affinity import Affinity
 from gateway.auth import Tenants
 from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
-from gateway.http1 import EnginePool
 from gateway.observe.accounting import Accountant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.prefix import PrefixIndexes
-from gateway.proxy import Forwarder
 from gateway.quotas import Quotas
 from gateway.routing import Router
 from gateway.signals.engines import EngineScraper
 from gateway.state import StateBackend
+from gateway.upstream.aio import AioClient
+from gateway.upstream.forward import Forwarder
+from gateway.upstream.native import EnginePool
 
 
 @dataclass(eq=False)
@@ -87,7 +88,7 @@ def load_counters(policy: Policy) -> dict[str, TokenCounter]:
 
 
 def make_engine_pool(policy: Policy) -> EnginePool | None:
-    """The forwarder's own HTTP/1.1 client (gateway/http1.py), unless the policy asks for
+    """The forwarder's own HTTP/1.1 client (gateway/upstream/native.py), unless the policy asks for
     aiohttp's; in the running loop, like the session."""
     up = policy.upstream
     if up.client != "native":
@@ -103,7 +104,7 @@ def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.Clie
     metrics.publish_policy(policy)
     backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
     router = Router(policy, backends)
-    forwarder = Forwarder(session, router, policy.upstream.connect_timeout_s,
+    forwarder = Forwarder(AioClient(session), router, policy.upstream.connect_timeout_s,
                           policy.upstream.read_timeout_s, engines)
     scraper = EngineScraper(policy.signals.metrics_max_age_s)
     # What each backend holds survives a reload for the backends that stay.

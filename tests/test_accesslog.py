@@ -16,7 +16,7 @@ import pytest
 from gateway.observe import accesslog
 from gateway.observe.accesslog import BatchingHandler
 from gateway.observe.record import Record
-from gateway.proxy import Relay
+from gateway.upstream.forward import Relay
 
 
 def _logger(handler: BatchingHandler) -> logging.Logger:

@@ -221,7 +221,7 @@ def test_stream_broken_mid_way_ends_with_sse_error(start_sim: StartSim,
 def test_engine_silent_mid_stream_past_read_timeout_ends_it(start_sim: StartSim,
                                                             start_gateway: StartGateway) -> None:
     # The stream's body is watched by one timer of its own, not aiohttp's per-read one
-    # (gateway/silence.py): it must still end a stream whose engine went quiet.
+    # (gateway/upstream/silence.py): it must still end a stream whose engine went quiet.
     with start_sim("--stall-rate", "1.0", "--stall-after-tokens", "2", "--stall-s", "30") as sim, \
             start_gateway(policy_yaml([sim.url],
                                       extra="upstream:\n  read_timeout_s: 0.5\n")) as gw:

@@ -19,8 +19,8 @@ import uvicorn
 from gateway.app import GatewayApp
 from gateway.policy.loader import parse_policy
 from gateway.prepared import Prepared
-from gateway.proxy import Upstream
 from gateway.serving.server import ConnectionLimits, server_config
+from gateway.upstream.forward import Upstream
 from tests.conftest import StartSim, policy_yaml
 from tests.servers import free_port
 

@@ -140,18 +140,17 @@ class PrefixPlacement:
         index = self._index(ps, ask, name)
         if index is None:
             return
-        # Learning and holding the blocks is two dict operations a block (~0.2 ms for a
-        # 16K-token prompt hot, ~0.8 ms on a CPU whose caches went cold while the loop was
-        # idle), so it runs once this request's bytes are on their way upstream, not before.
-        # Two hops of the loop: the gateway's own client (gateway/http1.py) writes the request
-        # at once, but aiohttp's (https engines; before Python 3.12's eager tasks) writes the
-        # body in a task it makes when the request is sent, which runs in the iteration after
-        # that, and one hop ran there first: the engine got a 16K-token request 0.8 ms late,
-        # and its first token with it. Nothing is lost by waiting: the engine has cached none
-        # of it yet, and a request decided in between sees these blocks as not shared and
-        # reserves them again (the safe side). The engine's answer may come first (a refusal
-        # at once): if it got the backend ejected, and its index forgotten, meanwhile, these
-        # blocks are not learnt there either.
+        # Learning and holding the blocks is two dict operations a block (~0.2 ms for a 16K-token
+        # prompt hot, ~0.8 ms on a CPU whose caches went cold while the loop was idle), so it runs
+        # once this request's bytes are on their way upstream, not before. Two hops of the loop: the
+        # gateway's own client (gateway/upstream/native.py) writes the request at once, but
+        # aiohttp's (https engines; before Python 3.12's eager tasks) writes the body in a task it
+        # makes when the request is sent, which runs in the iteration after that, and one hop ran
+        # there first: the engine got a 16K-token request 0.8 ms late, and its first token with it.
+        # Nothing is lost by waiting: the engine has cached none of it yet, and a request decided in
+        # between sees these blocks as not shared and reserves them again (the safe side). The
+        # engine's answer may come first (a refusal at once): if it got the backend ejected, and its
+        # index forgotten, meanwhile, these blocks are not learnt there either.
         ticket.held = _PENDING
         ticket.holding = ask.hashes
         loop = asyncio.get_running_loop()

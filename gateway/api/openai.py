@@ -27,9 +27,9 @@ from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, Unsupport
 from gateway.inbound import Inbound
 from gateway.pipeline import Gate, Pipeline
 from gateway.protocol import Endpoint, error_body
-from gateway.proxy import STAGE_CLOCK, ClientGone
 from gateway.runtime import Runtime, runtime_of
 from gateway.serving.http_protocol import DISCONNECT_KEY, DisconnectNotice
+from gateway.upstream.forward import STAGE_CLOCK, ClientGone
 
 _JSON = (b"content-type", b"application/json")
 _ID_PREFIX = os.urandom(4).hex()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.proxy import Relay
+from gateway.upstream.forward import Relay
 
 
 @dataclass(slots=True)

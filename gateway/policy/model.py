@@ -390,8 +390,9 @@ class UpstreamSpec(Strict):
     read_timeout_s: PositiveFloat = 600.0  # between two reads; long prefills stay silent
     max_connections: PositiveInt = 4096
     keepalive_timeout_s: PositiveFloat = 4.0  # under the engines' own (uvicorn: 5 s)
-    # The HTTP client requests to the engines go out on: the gateway's own (gateway/http1.py,
-    # plain http:// backends; others use aiohttp) or aiohttp's for all. Read at start-up.
+    # The HTTP client requests to the engines go out on: the gateway's own
+    # (gateway/upstream/native.py, plain http:// backends; others use aiohttp) or aiohttp's for
+    # all. Read at start-up.
     client: Literal["native", "aiohttp"] = "native"
     # A non-streaming request whose caller leaves is read to its end for this long, so its
     # quota is charged the engine's usage; past it the request is cut and charged in full.

@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
-import traceback
 from collections.abc import Callable
 
 from gateway.observe.metrics import GatewayMetrics
@@ -174,22 +173,3 @@ class HeapKeeper:
         gc.freeze()
         self.metrics.gc_frozen.set(gc.get_freeze_count())
         return found
-
-
-def forget(exc: BaseException | None) -> None:
-    """Break the reference cycles a caught exception closes, so its reference count frees it.
-
-    A traceback holds the frames the exception passed through, and a frame that still holds
-    the exception (aiohttp keeps the cause in a local while it wraps it in its own error)
-    closes a cycle that only a collection frees: once it has outlived the young generations,
-    the next sweep, minutes away.
-    Called where the gateway catches an engine's connect or read error, once it has taken the
-    words it logs. Clearing the frame we are in fails and is skipped, as it must be.
-    """
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-            exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from gateway.serving.heap import forget
+from gateway.upstream.aio import forget
 
 log = logging.getLogger("gateway.signals")
 
@@ -304,7 +304,7 @@ def parse_engine_metrics(text: str, engine: str, at: float,
 
 async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
     try:
-        # A redirect is not followed, as requests' are not (gateway/proxy.py).
+        # A redirect is not followed, as requests' are not (gateway/upstream/forward.py).
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                allow_redirects=False) as r:
             if r.status != 200:

@@ -30,7 +30,7 @@ TPOT_MARGIN = 2.0
 
 
 class StreamProgress(Protocol):
-    """What the proxy knows of a stream as it goes (`gateway.proxy.Exchange`); read-only here,
+    """What the proxy knows of a stream as it goes (`gateway.upstream.Relay`); read-only here,
     so the fleet simulation can hand in its engine's requests (loadtest/fleet.py)."""
 
     @property

@@ -13,15 +13,16 @@ uvicorn parses requests), and its body handed to the relay as it comes, as aioht
 `readany` does.
 
 What it keeps of aiohttp's behaviour, because the forwarder's failure handling stands on it:
-the same exception types (a refused connect is a ClientConnectorError, a connection the engine
-closed before answering a ServerDisconnectedError, a reset a ClientOSError, a cut body a
-ClientPayloadError, a silent engine a SocketTimeoutError), the `read_timeout` between reads
-(bounding the wait for the answer's headers; gateway/silence.py turns it off for a stream's
-body), flow control (the engine's socket is paused while the caller has not taken what was
-read), keep-alive (a connection is reused only after its answer was read to the end, with
-nothing after it, and the engine did not ask to close, and not once it has been idle
-`keepalive_timeout_s`, which is under the engines' own, so one the engine is about to close is
-not reused), and the limits on an answer's head (ClientSession's defaults).
+what an engine did, raised as the gateway's own exceptions (gateway/upstream/errors.py: a
+refused connect is Unreachable, a connection the engine closed before answering
+ClosedBeforeAnswer, a reset BrokeOff, a cut body CutBody, a silent engine Silent), the
+`read_timeout` between reads (bounding the wait for the answer's headers;
+gateway/upstream/silence.py turns it off for a stream's body), flow control (the engine's
+socket is paused while the caller has not taken what was read), keep-alive (a connection is
+reused only after its answer was read to the end, with nothing after it, and the engine did
+not ask to close, and not once it has been idle `keepalive_timeout_s`, which is under the
+engines' own, so one the engine is about to close is not reused), and the limits on an answer's
+head (aiohttp ClientSession's defaults).
 
 Only plain `http://` backends without credentials in their URL are served here; any other goes
 through aiohttp (`Forwarder`), as do the probes, the scrapes and the pass-through endpoints,
@@ -34,9 +35,19 @@ import asyncio
 import collections
 import errno as errnos
 
-import aiohttp
 import httptools
 from yarl import URL
+
+from gateway.upstream.errors import (
+    BrokeOff,
+    ClosedBeforeAnswer,
+    ConnectTimeout,
+    CutBody,
+    EngineFailure,
+    Malformed,
+    Silent,
+    Unreachable,
+)
 
 # The engine's socket is paused when this much of its answer waits for the caller, and read
 # again under half of it (aiohttp's StreamReader: twice its 64 KiB limit).
@@ -53,31 +64,6 @@ MAX_HEADERS = 128
 # so bytes read with nothing handed over are at most two lines' worth (with their separators
 # and some blank space): past that, reading stops before the end of such a line is waited for.
 MAX_PENDING = MAX_LINE_SIZE + MAX_FIELD_SIZE + 1024
-
-
-class Unreachable(aiohttp.ClientConnectorError):
-    """A connect that failed: aiohttp's ClientConnectorError, without its connection key."""
-
-    def __init__(self, host: str, port: int, os_error: OSError) -> None:
-        self._where = (host, port)
-        self._os_error = os_error
-        aiohttp.ClientOSError.__init__(self, os_error.errno, os_error.strerror)
-        self.args = (host, port, os_error)
-
-    @property
-    def host(self) -> str:
-        return self._where[0]
-
-    @property
-    def port(self) -> int | None:
-        return self._where[1]
-
-    @property
-    def ssl(self) -> bool:
-        return False
-
-    def __str__(self) -> str:
-        return f"Cannot connect to host {self.host}:{self.port} [{self.strerror}]"
 
 
 class _Malformed(Exception):
@@ -127,8 +113,8 @@ def _header_value(value: str) -> bytes:
 
 
 class Body:
-    """An answer's body as the engine sends it: aiohttp's StreamReader calls the relay uses
-    (`readany`, `read`, `set_exception`), over a buffer the protocol feeds.
+    """An answer's body as the engine sends it (`readany`, `read`, `set_exception`), over a
+    buffer the protocol feeds.
 
     The buffer is a bytearray, which the collector does not track, rather than a deque of the
     pieces, which it would walk at every sweep for as long as the stream is open. A stream's
@@ -200,16 +186,15 @@ class Body:
 
 
 class Response:
-    """The engine's answer: what of aiohttp's ClientResponse the forwarder reads."""
+    """The engine's answer (gateway/upstream/base.py's `Answer`)."""
 
     __slots__ = ("_released", "connection", "content", "headers", "status")
 
     def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
-        self.connection = conn  # `.protocol` is the connection itself (gateway/silence.py)
+        self.connection = conn
         self.status = status
-        # Names in lower case, the first of a repeated header: what `.get` of aiohttp's
-        # case-insensitive multidict gives. A dict of strings is not tracked by the
-        # collector; the multidict and its proxy were two objects more per open stream.
+        # Names in lower case, the first of a repeated header. A dict of strings is not
+        # tracked by the collector.
         self.headers = headers
         self.content = Body(conn)
         self._released = False
@@ -219,6 +204,19 @@ class Response:
             return await self.content.read()
         finally:
             self.release()
+
+    def readany(self) -> asyncio.Future[bytes]:
+        return self.content.readany()
+
+    def stop_read_timeout(self) -> bool:
+        """The connection's own read timeout off for the rest of this answer: its silence is
+        watched elsewhere (gateway/upstream/silence.py)."""
+        self.connection.read_timeout = None
+        return True
+
+    def fail(self, exc: EngineFailure) -> None:
+        """End the body's reads with `exc`."""
+        self.content.set_exception(exc)
 
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if the answer was read whole
@@ -267,13 +265,9 @@ class Connection(asyncio.Protocol):
         self._last_read = 0.0
         self.idle_since = 0.0
 
-    @property
-    def protocol(self) -> Connection:
-        return self
-
     # The longest the engine may stay silent, from the request to the end of the answer
-    # (aiohttp's sock_read): set None to stop watching (gateway/silence.py does, for a stream's
-    # body). One timer a request, moved only when it fires, not at every read.
+    # (aiohttp's sock_read): set None to stop watching (gateway/upstream/silence.py does, for a
+    # stream's body). One timer a request, moved only when it fires, not at every read.
     @property
     def read_timeout(self) -> float | None:
         return self._timeout
@@ -294,7 +288,7 @@ class Connection(asyncio.Protocol):
         if now < due:
             self._timer = self.loop.call_at(due, self._watch)
             return
-        self._fail(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+        self._fail(Silent(f"no read from the engine within {self._timeout:g}s"))
         self.close()
 
     # --- one request ------------------------------------------------------------------------
@@ -357,7 +351,7 @@ class Connection(asyncio.Protocol):
         if not self._active:  # bytes no request asked for: the connection is of no use
             self.close()
             return
-        if self._timeout is not None:  # a stream's body has its own watch (gateway/silence.py)
+        if self._timeout is not None:  # a stream's body has its own watch (silence.py)
             self._last_read = self.loop.time()
         assert self._parser is not None
         self._pending += len(data)  # the callbacks zero it as the parser hands things over
@@ -373,9 +367,7 @@ class Connection(asyncio.Protocol):
         """Fail the request (its body, once its head was in), and stop reading at once."""
         if isinstance(exc.__context__, _Malformed):
             exc = exc.__context__
-        message = f"Malformed answer from the engine: {exc}"
-        self._fail(aiohttp.ClientPayloadError(message) if self._response is not None else
-                   aiohttp.ClientConnectionError(message))
+        self._fail(Malformed(f"Malformed answer from the engine: {exc}"))
         self.close()
 
     def eof_received(self) -> bool:
@@ -391,15 +383,13 @@ class Connection(asyncio.Protocol):
         answer, self._answer = self._answer, None
         response, self._response = self._response, None
         if answer is not None and not answer.done():
-            answer.set_exception(
-                aiohttp.ServerDisconnectedError() if exc is None else
-                aiohttp.ClientOSError(getattr(exc, "errno", None) or errnos.ECONNRESET, str(exc)))
+            answer.set_exception(_lost_before_answer(exc))
         elif response is not None and not self._complete:
             if exc is None and not self._framed:  # an answer that ends where its connection does
                 self._complete = True
                 response.content.feed_eof()
             else:
-                response.content.set_exception(aiohttp.ClientPayloadError(
+                response.content.set_exception(CutBody(
                     "Response payload is not completed" + (f": {exc!r}" if exc else "")))
 
     # --- httptools ----------------------------------------------------------------------------
@@ -465,6 +455,7 @@ class EnginePool:
     request, from the policy in force."""
 
     def __init__(self, limit: int, keepalive_s: float) -> None:
+        self._targets: dict[tuple[str, str | None], Target | None] = {}
         self.loop = asyncio.get_running_loop()
         self.limit = limit
         self.keepalive_s = keepalive_s
@@ -474,8 +465,27 @@ class EnginePool:
         self._open: set[Connection] = set()
         self._closed = False
 
-    async def post(self, target: Target, request_id: str, body: bytes,
+    def serves(self, url: str, auth_header: str | None) -> bool:
+        """Whether this client takes requests to `url` (plain http://, no credentials)."""
+        key = (url, auth_header)
+        try:
+            return self._targets[key] is not None
+        except KeyError:
+            target = self._targets[key] = target_of(url, auth_header)
+            return target is not None
+
+    async def post(self, url: str, request_id: str, body: bytes, auth_header: str | None,
                    connect_timeout_s: float, read_timeout_s: float) -> Response:
+        """The seam's `Client.post`, for a `url` it `serves`."""
+        target = self._targets.get((url, auth_header)) if self.serves(url, auth_header) \
+            else None
+        if target is None:
+            raise Unreachable(f"not a plain http:// URL: {url}", "not reachable over http")
+        return await self.post_target(target, request_id, body, connect_timeout_s,
+                                      read_timeout_s)
+
+    async def post_target(self, target: Target, request_id: str, body: bytes,
+                          connect_timeout_s: float, read_timeout_s: float) -> Response:
         """POST `body` to `target`: the answer once its headers are in."""
         data = b"".join((target.head, _header_value(request_id), b"\r\ncontent-length: ",
                          b"%d" % len(body), b"\r\n\r\n", body))
@@ -498,7 +508,7 @@ class EnginePool:
                     self._wake()  # handed a turn it will not take: on to the next
                 raise
         if self._closed:
-            raise aiohttp.ClientConnectionError("the gateway is shutting down")
+            raise Unreachable("the gateway is shutting down")
         self._busy += 1
         idle = self._idle.get(target.key)
         now = self.loop.time()
@@ -521,10 +531,11 @@ class EnginePool:
                 _, conn = await self.loop.create_connection(
                     lambda: Connection(self, target.key), target.host, target.port)
         except TimeoutError:
-            raise aiohttp.ConnectionTimeoutError(
-                f"Connection timeout to host {target.host}:{target.port}") from None
+            raise ConnectTimeout(f"Connection timeout to host {target.host}:{target.port}") \
+                from None
         except OSError as exc:
-            raise Unreachable(target.host, target.port, exc) from None
+            raise Unreachable(f"Cannot connect to host {target.host}:{target.port} "
+                              f"[{exc.strerror}]") from None
         self._open.add(conn)
         return conn
 
@@ -558,3 +569,12 @@ class EnginePool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _lost_before_answer(exc: Exception | None) -> EngineFailure:
+    """A connection lost with the request out and no answer's head in."""
+    if exc is None:  # closed: a kept-alive connection the engine had let go
+        return ClosedBeforeAnswer("Server disconnected")
+    errno = getattr(exc, "errno", None) or errnos.ECONNRESET
+    return BrokeOff(f"[Errno {errno}] {exc}", "the engine reset the connection"
+                    if errno == errnos.ECONNRESET else None)

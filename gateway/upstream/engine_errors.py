@@ -1,21 +1,17 @@
-"""What an engine's failure reads as, to the caller and to the log (gateway/proxy.py's side).
+"""An engine's error answers in OpenAI's shape: its error bodies and mid-stream error events.
 
 Engines answer errors in their own shapes (vLLM's and SGLang's `{"error": {...}}`, FastAPI's
-`{"detail": ...}`, plain text, mid-stream error events); callers get OpenAI's. Connection
-failures are put in words that name no address and carry no exception text (`public`); the
-details go to the log and /admin/state (`describe`).
+`{"detail": ...}`, plain text, mid-stream error events); callers get OpenAI's.
 """
 
 from __future__ import annotations
 
-import errno
 import math
 
-import aiohttp
 import orjson
 
 from gateway.protocol import error_body, error_type, retry_headers
-from gateway.sse import has_error, split_events
+from gateway.upstream.sse import has_error, split_events
 
 
 def engine_error(status: int, body: bytes, backend: str) -> bytes:
@@ -101,24 +97,3 @@ def error_message(body: bytes) -> str:
     except (orjson.JSONDecodeError, AttributeError):
         pass
     return body[:200].decode("utf-8", "replace") or "(empty body)"
-
-
-def public(exc: BaseException) -> str:
-    """What went wrong, in words that name no address and carry no exception text: the
-    caller sees these; the details go to the log and /admin/state."""
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the engine closed the connection"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connection refused or unreachable"
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return "the answer was cut off"
-    if isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET:
-        return "the engine reset the connection"
-    return "connection error"
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

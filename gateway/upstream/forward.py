@@ -1,18 +1,17 @@
 """Forwarding to engines, and streaming the answer back as it arrives.
 
 The streaming path is the hot path: the engine's events go to the ASGI server as they are,
-with no re-serialising, each as soon as its last byte has come (gateway/sse.py reassembles an
-event split across reads); the gateway only notes when the first token came (TTFT) and, from
-the one event that carries it, the final `usage`. Upstream errors are mapped to our own at this
-boundary, mid-stream too (as an SSE error frame, since the status line has already gone).
+with no re-serialising, each as soon as its last byte has come (sse.py reassembles an event
+split across reads); the gateway only notes when the first token came (TTFT) and, from the one
+event that carries it, the final `usage`. What an engine did (errors.py) becomes the caller's
+answer here: an error of the gateway's tree before the response has started, an SSE error event
+after.
 
-Requests to plain http:// engines go through the gateway's own HTTP/1.1 client
-(gateway/http1.py: aiohttp's request set-up cost more than all the gateway's stages), the rest
-through aiohttp; both answer with the same calls and raise aiohttp's exception types, so one
-relay and one failure mapping serve both. Why aiohttp and not httpx: measured here with a
-minimal pass-through proxy at 100 streams, httpx adds more TTFT and collapses above ~0.8 core
-(its pool hands one idle connection to several waiters, encode/httpcore#822), while aiohttp
-relays >20x the chunks/s per core.
+Requests to plain http:// engines go through the gateway's own HTTP/1.1 client (native.py), the
+rest through aiohttp's (aio.py), behind one seam (base.py). Why aiohttp and not httpx: measured
+here with a minimal pass-through proxy at 100 streams, httpx adds more TTFT and collapses above
+~0.8 core (its pool hands one idle connection to several waiters, encode/httpcore#822), while
+aiohttp relays >20x the chunks/s per core.
 """
 
 from __future__ import annotations
@@ -25,23 +24,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from starlette.types import Send
 
-from gateway import engine_errors as errs
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
-from gateway.http1 import EnginePool, Response, Target, target_of
 from gateway.protocol import error_body, sse_error_frame
 from gateway.routing import Router
-from gateway.serving.heap import forget
-from gateway.silence import NOT_WAITING, Silences
-from gateway.sse import Events, EventTooLarge, Usage, body_usage, has_error, has_usage, usage_events
+from gateway.upstream import engine_errors as errs
+from gateway.upstream.aio import AioClient, Whole
+from gateway.upstream.base import Answer, Client
+from gateway.upstream.errors import EngineFailure, Silent, describe
+from gateway.upstream.native import EnginePool
+from gateway.upstream.silence import NOT_WAITING, Silences
+from gateway.upstream.sse import (
+    Events,
+    EventTooLarge,
+    Usage,
+    body_usage,
+    has_error,
+    has_usage,
+    usage_events,
+)
 
 if TYPE_CHECKING:
     from gateway.admission.pool import Ticket
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.upstream")
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
 # A Responses stream opens with events sent before any token (response.created, ...): its
@@ -53,10 +61,6 @@ _EVENTS: dict[str, bytes] = {"responses": b'.delta"'}
 # content-length of a body we re-frame) is the gateway's own business.
 _PASS_HEADERS = frozenset({"content-type", "retry-after"})
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-
-
-# An engine's answer: from the gateway's own client (plain http://) or from aiohttp's.
-Answer = aiohttp.ClientResponse | Response
 
 
 class ClientGone(Exception):
@@ -117,20 +121,17 @@ class Relay:
 
 
 class Forwarder:
-    def __init__(self, session: aiohttp.ClientSession, router: Router,
+    def __init__(self, aio: AioClient, router: Router,
                  connect_timeout: float, read_timeout: float,
                  engines: EnginePool | None = None) -> None:
-        self.session = session
-        # The gateway's own client for plain http:// engines (gateway/http1.py); None: aiohttp.
+        self.aio = aio
+        # The gateway's own client for the plain http:// engines; None: aiohttp's for all.
         self.engines = engines
-        self._targets: dict[tuple[str, str | None], Target | None] = {}
+        self._clients: dict[tuple[str, str | None], Client] = {}
         self.router = router
         self.backends = router.backends
-        # sock_read bounds the wait for an answer's headers and non-streamed bodies; a
-        # stream's body is watched by one timer for them all (gateway/silence.py).
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=None,
-                                             sock_connect=connect_timeout,
-                                             sock_read=read_timeout)
+        # The read timeout bounds the wait for an answer's head and a whole body; a stream's
+        # body on the gateway's own client is watched by one timer for them all (silence.py).
         self.read_timeout_s = read_timeout
         self.connect_timeout_s = connect_timeout
         self.loop = asyncio.get_running_loop()
@@ -154,8 +155,8 @@ class Forwarder:
             try:
                 if not await self._answer_whole(up, ex, backend, resp, send):
                     await self._stream(up, ex, backend, resp, send)
-            finally:  # not `async with`: its bound __aexit__ lived as long as the stream
-                await resp.__aexit__(None, None, None)
+            finally:
+                resp.release()
         finally:
             backend.outstanding -= 1
 
@@ -205,75 +206,54 @@ class Forwarder:
         if backend.auth_header:
             headers["authorization"] = backend.auth_header
         try:
-            async with self.session.request(method, endpoint_url, data=body, headers=headers,
-                                            timeout=self.timeout, allow_redirects=False) as resp:
-                answer = await resp.read()
-                if 300 <= resp.status < 400:  # not followed, as in `_open`
-                    return 502, error_body(
-                        f"The engine `{backend.name}` {_redirected(backend, resp)}.",
-                        "server_error", None, "upstream_error"), "application/json"
-                if resp.status >= 400:  # one error shape, whoever refused
-                    return resp.status, errs.engine_error(resp.status, answer, backend.name), \
-                        "application/json"
-                return resp.status, answer, resp.headers.get("content-type", "application/json")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("engine %s/%s: %s", backend.pool, backend.name, errs.describe(exc))
-            public = errs.public(exc)
-            forget(exc)
+            answer = await self.aio.request(method, endpoint_url, body, headers,
+                                            self.connect_timeout_s, self.read_timeout_s)
+        except EngineFailure as exc:
+            log.warning("engine %s/%s: %s", backend.pool, backend.name, describe(exc))
             raise UpstreamError(f"The engine `{backend.name}` could not answer "
-                                f"({public}).", backend=backend.name) from None
+                                f"({exc.public}).", backend=backend.name) from None
+        if 300 <= answer.status < 400:  # not followed, as in `_open`
+            return 502, error_body(
+                f"The engine `{backend.name}` {_redirected(backend, answer)}.",
+                "server_error", None, "upstream_error"), "application/json"
+        if answer.status >= 400:  # one error shape, whoever refused
+            return answer.status, errs.engine_error(answer.status, answer.body, backend.name), \
+                "application/json"
+        return answer.status, answer.body, answer.headers.get("content-type", "application/json")
 
-    def _target(self, url: str, auth_header: str | None) -> Target | None:
+    def _client(self, url: str, auth_header: str | None) -> Client:
+        """Which client takes requests to `url`: by its scheme, once per URL."""
         key = (url, auth_header)
-        try:
-            return self._targets[key]
-        except KeyError:
-            target = self._targets[key] = target_of(url, auth_header)
-            return target
+        client = self._clients.get(key)
+        if client is None:
+            engines = self.engines
+            client = self._clients[key] = engines if engines is not None and \
+                engines.serves(url, auth_header) else self.aio
+        return client
 
     async def _open(self, up: Upstream, backend: Backend) -> tuple[Answer | None, str]:
-        """The engine's response, or None and what went wrong in words fit for the caller."""
+        """The engine's response, or None and what went wrong in words fit for the caller,
+        where another backend may take the request."""
         url = backend.urls[up.endpoint]
-        target = self._target(url, backend.auth_header) if self.engines is not None else None
         try:
-            if target is not None:
-                assert self.engines is not None
-                resp: Answer = await self.engines.post(target, up.request_id, up.body,
-                                                       self.connect_timeout_s,
-                                                       self.read_timeout_s)
-            else:
-                headers = {"content-type": "application/json", "x-request-id": up.request_id,
-                           "accept-encoding": "identity"}
-                if backend.auth_header:
-                    headers["authorization"] = backend.auth_header
-                resp = await self.session.post(url, data=up.body, headers=headers,
-                                               timeout=self.timeout, allow_redirects=False)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            # Refused, unreachable, or a keep-alive connection the engine had closed: the
-            # engine did not start on this request, so another backend may take it.
-            self.backends.record_failure(backend, "connect", errs.describe(exc))
-            public = errs.public(exc)
-            forget(exc)
-            return None, public
-        except aiohttp.ConnectionTimeoutError as exc:
-            self.backends.record_failure(backend, "timeout", "connect timeout")
-            forget(exc)
-            return None, "connect timeout"
-        except TimeoutError as exc:
-            # Connected and sent, then silent past read_timeout_s: the engine may be
-            # generating it (a long prefill is silent too), so no other backend is given it.
-            self.backends.record_failure(backend, "timeout", "no answer within the read timeout")
-            forget(exc)
-            raise UpstreamTimeout(f"The engine `{backend.name}` did not answer within "
-                                  f"{self.read_timeout_s:g}s.", backend=backend.name) from None
-        except aiohttp.ClientError as exc:
-            # Reset or broken once the request was sent, before any answer (an engine killed
-            # on it): it may have started there, so no other backend is given it.
-            self.backends.record_failure(backend, "disconnect", errs.describe(exc))
-            public = errs.public(exc)
-            forget(exc)
+            resp = await self._client(url, backend.auth_header).post(
+                url, up.request_id, up.body, backend.auth_header, self.connect_timeout_s,
+                self.read_timeout_s)
+        except EngineFailure as exc:
+            self.backends.record_failure(backend, exc.kind, describe(exc))
+            if exc.retry_elsewhere:
+                # Refused, unreachable, or a kept-alive connection the engine had closed:
+                # the engine did not start on this request, so another backend may take it.
+                return None, exc.public
+            if isinstance(exc, Silent):
+                # Sent, then silent past read_timeout_s: the engine may be generating it (a
+                # long prefill is silent too), so no other backend is given it.
+                raise UpstreamTimeout(f"The engine `{backend.name}` did not answer within "
+                                      f"{self.read_timeout_s:g}s.", backend=backend.name) \
+                    from None
+            # Reset, broken or malformed once the request was sent: it may have started there.
             raise UpstreamError(f"The engine `{backend.name}` broke off before answering "
-                                f"({public}).", backend=backend.name) from None
+                                f"({exc.public}).", backend=backend.name) from None
         if 300 <= resp.status < 400:
             # The engine did not run the request, so another backend may take it.
             self.backends.record_failure(backend, "redirect", f"HTTP {resp.status} redirect")
@@ -329,13 +309,10 @@ class Forwarder:
     async def _read_body(self, backend: Backend, resp: Answer) -> bytes:
         try:
             return await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-            self.backends.record_failure(backend, kind, errs.describe(exc))
-            public = errs.public(exc)
-            forget(exc)
+        except EngineFailure as exc:
+            self.backends.record_failure(backend, exc.kind, describe(exc))
             raise UpstreamError(f"The engine `{backend.name}` broke off its answer "
-                                f"({public}).", backend=backend.name) from None
+                                f"({exc.public}).", backend=backend.name) from None
 
     async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
@@ -357,7 +334,6 @@ class Forwarder:
     async def _stream(self, up: Upstream, ex: Relay, backend: Backend,
                       resp: Answer, send: Send) -> None:
         await self._start(up, ex, send, 200, None)
-        content = resp.content
         loop_time = self.loop_time
         strip_usage = up.strip_usage
         first_token = _FIRST_TOKEN.get(up.endpoint)
@@ -368,7 +344,7 @@ class Forwarder:
         try:
             while True:
                 watch.since = loop_time()
-                read = await content.readany()
+                read = await resp.readany()
                 watch.since = NOT_WAITING
                 if not read:
                     break
@@ -391,18 +367,16 @@ class Forwarder:
                 if has_error(chunk):  # an engine's error event: OpenAI's shape too
                     chunk = errs.openai_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError, EventTooLarge) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else \
-                "protocol" if isinstance(exc, EventTooLarge) else "disconnect"
-            self.backends.record_failure(backend, kind, errs.describe(exc))
-            ex.error = f"upstream {kind}: {errs.describe(exc)}"
+        except (EngineFailure, EventTooLarge) as exc:
+            kind, public = (exc.kind, exc.public) if isinstance(exc, EngineFailure) else \
+                ("protocol", "an event past the size the gateway takes")
+            self.backends.record_failure(backend, kind, describe(exc))
+            ex.error = f"upstream {kind}: {describe(exc)}"
             ex.status = 502
-            forget(exc)
             resp.close()  # do not return a half-read connection to the pool
             await send({"type": "http.response.body", "more_body": False,
                         "body": sse_error_frame(
-                            f"The engine `{backend.name}` broke off the stream "
-                            f"({errs.public(exc)}).")})
+                            f"The engine `{backend.name}` broke off the stream ({public}).")})
         else:
             self.backends.record_success(backend)
             # An engine that ended its last event otherwise than with a blank line: relayed
@@ -445,7 +419,7 @@ def _unreadable(resp: Answer) -> str:
     return ""
 
 
-def _redirected(backend: Backend, resp: Answer) -> str:
+def _redirected(backend: Backend, resp: Answer | Whole) -> str:
     """An engine's 3xx, not followed: the gateway talks to the engines its policy names and no
     one else (a 301 would also turn the POST into a GET). Its target, the URL to fix, goes to
     the log; the words returned, for the caller, name none."""
@@ -455,4 +429,4 @@ def _redirected(backend: Backend, resp: Answer) -> str:
     return f"answered a redirect (HTTP {resp.status}), which is not followed"
 
 
-__all__ = ["ClientGone", "Forwarder", "Relay", "Send", "Upstream"]
+__all__ = ["STAGE_CLOCK", "ClientGone", "Forwarder", "Relay", "Send", "Upstream"]
