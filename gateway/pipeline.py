@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -50,7 +49,6 @@ from gateway.protocol import (
     client_deadline,
     endpoint_of,
     parse_request,
-    set_header,
 )
 from gateway.quotas import QuotaTicket
 from gateway.routing import Route
@@ -124,12 +122,12 @@ class Pipeline:
     # count ------------------------------------------------------------------------------------
 
     async def count(self, model: ModelSpec, data: dict[str, Any], parsed: ParsedRequest,
-                    caller: Caller, prior_tokens: int = 0, behind_chars: int = 0) -> Prompt:
+                    caller: Caller, prior_tokens: int = 0) -> Prompt:
         try:
             # Long prompts take turns by tenant (gateway/cost/counter.py).
             return await count_prompt(self.rt.counters[model.name], model, data, parsed,
                                       caller.tenant.name, prior_tokens,
-                                      self._hash_block[model.name], behind_chars)
+                                      self._hash_block[model.name])
         except RequestCostError as exc:
             raise InvalidRequest(str(exc), param=exc.param,
                                  code="prompt_too_long" if isinstance(exc, PromptTooLong)
@@ -181,54 +179,18 @@ class Pipeline:
         self.rt.tenants.check_model(caller.tenant, model.name)
         t = lap("parse", t)
         held = await self._held(parsed)
-        # Served requests may go on with a bound of a long prompt with new text
-        # (`count_behind_chars`).
-        prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0,
-                                  self.rt.policy.server.count_behind_chars if timed else 0)
+        prompt = await self.count(model, data, parsed, caller, held.tokens if held else 0)
         t = lap("count", t)
-        route, work, prompt = await self._plan(model, prompt, parsed, held)
+        route = self.route(model, prompt, parsed)
+        if held is not None and held.pool != route.pool and held.pool in self.rt.policy.pools:
+            route = Route(model, held.pool)  # the conversation lives there
+        work = self.estimate(model, route, prompt, parsed)
         lap("route", t)
         user = data.get("user")
         session = inbound.headers.get(b"x-session-id")  # else the body's `user`
         return Prepared(caller, endpoint, model, data, parsed, prompt, route, work, held,
                         read_at, session.decode("latin-1") if session
                         else user if isinstance(user, str) and user else None)
-
-    async def _plan(self, model: ModelSpec, prompt: Prompt, parsed: ParsedRequest,
-                    held: Held | None) -> tuple[Route, Work, Prompt]:
-        """Route and estimate. A prompt counted behind goes on with its bound only where the
-        bound decides as the count would: the same pool for its floor as for its bound, and
-        within the context; otherwise the count is waited for."""
-        while True:
-            try:
-                route = self.route(model, prompt, parsed)
-                if held is not None and held.pool != route.pool \
-                        and held.pool in self.rt.policy.pools:
-                    route = Route(model, held.pool)  # the conversation lives there
-                work = self.estimate(model, route, prompt, parsed)
-            except GatewayError:  # over the context, or no pool up for that length
-                if prompt.pending is None:
-                    raise
-                prompt = await self._the_count(model, prompt)
-                continue
-            if prompt.pending is not None:
-                low = self.rt.router.route(model, prompt.least, parsed.output_limit)
-                if (low.pool, low.overflow) != (route.pool, route.overflow):
-                    prompt = await self._the_count(model, prompt)
-                    continue
-            return route, work, prompt
-
-    async def _the_count(self, model: ModelSpec, prompt: Prompt) -> Prompt:
-        """Wait for a prompt's count: its bound would decide otherwise."""
-        assert prompt.pending is not None
-        self.rt.metrics.counted_behind.labels(model.name, "waited").inc()
-        return await prompt.pending
-
-    async def _counted(self, p: Prepared) -> Prepared:
-        """`p` with its prompt counted (it went on with a bound so far)."""
-        prompt = await self._the_count(p.model, p.prompt)
-        route, work, prompt = await self._plan(p.model, prompt, p.parsed, p.held)
-        return replace(p, prompt=prompt, route=route, work=work)
 
     def _lap(self, stage: str, since: float) -> float:
         now = STAGE_CLOCK()
@@ -275,8 +237,6 @@ class Pipeline:
         record: Record | None = None
         ticket: Ticket | None = None
         quota: QuotaTicket | None = None
-        behind: asyncio.Task[Sent] | None = None
-        pending: asyncio.Future[Prompt] | None = None
         forward_start = 0.0
         refused = False  # answered with an error (and counted) before a record was made
         task = asyncio.current_task()
@@ -287,23 +247,12 @@ class Pipeline:
                 raise ServerBusy("The gateway is handling as many requests as it is "
                                  "configured to; retry shortly.", retry_after_s=1.0)
             p = await self.prepare(inbound, client, watch, timed=True)
-            pending = p.prompt.pending
-            if pending is not None and rt.quotas.applies(p.caller.tenant):
-                p = await self._counted(p)  # a quota is charged on the count, never a bound
             lap = self._lap_timed
             t = STAGE_CLOCK()
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
             t = lap("quota", t)
             upstream_body, strip_usage = self._upstream_body(p)
-            ticket = None
-            if p.prompt.pending is not None:
-                ticket = await rt.admission.admit_at_once(p.ask(self.loop_time()))
-                if ticket is None:  # the bound would wait or be refused: the count decides
-                    p = await self._counted(p)
-                else:
-                    rt.metrics.child(rt.metrics.counted_behind, p.model.name, "sent").inc()
-            if ticket is None:
-                ticket = await rt.admission.admit(p.ask(self.loop_time()))
+            ticket = await rt.admission.admit(p.ask(self.loop_time()))
             if self._timed:
                 self._stage["queue"](ticket.queue_s)
                 lap("admission", t + ticket.queue_s)
@@ -314,11 +263,9 @@ class Pipeline:
             headers = answer_headers(inbound.request_id, p.route.pool, ticket.decision,
                                      ticket.queue_s, p.prompt.tokens, ticket.cached_tokens,
                                      quota.window if quota is not None else None)
-            if p.prompt.pending is not None:
-                behind = asyncio.create_task(self._count_behind(p, ticket, headers, record))
             up = Upstream(inbound.request_id, p.endpoint, p.route.pool, upstream_body,
                           bool(p.parsed.stream), headers,
-                          strip_usage, rt.admission.on_first_byte, ticket, behind)
+                          strip_usage, rt.admission.on_first_byte, ticket)
             del upstream_body, headers  # `up` holds them: the body until sent, the headers too
             forward_start = asyncio.get_running_loop().time()
             forward_at = STAGE_CLOCK()
@@ -341,7 +288,7 @@ class Pipeline:
                 await rt.forwarder.forward(up, relay, client.send, ticket.backend)
             finally:
                 inflight.dec()
-                await self._forwarded(sent, up, relay, ticket, behind)
+                await self._forwarded(sent, up, relay, ticket)
             if self._timed and relay.headers_at is not None:
                 self._stage["upstream_headers"](relay.headers_at - forward_at)
         except asyncio.CancelledError:
@@ -363,9 +310,6 @@ class Pipeline:
             if gate is not None:
                 gate.open -= 1
             client.detach()
-            for job in (behind, pending):  # a count no one will read (its rebooking goes on)
-                if job is not None and not job.done():
-                    job.cancel()
             # Finished whatever cancels the request: a second cancellation must not leak a
             # reservation or a quota (gateway/eager.py).
             if ticket is not None:
@@ -397,31 +341,10 @@ class Pipeline:
         data["model"] = p.model.upstream_name
         return orjson.dumps(data), strip_usage
 
-    async def _count_behind(self, p: Prepared, ticket: Ticket,
-                            headers: list[tuple[bytes, bytes]], record: Record) -> Sent:
-        """The count of a prompt sent on its bound: its reservation booked again on it, the
-        answer's headers and the access log given it."""
-        assert p.prompt.pending is not None
-        prompt = await p.prompt.pending
-        counted = replace(p, prompt=prompt, work=self.estimate(p.model, p.route, prompt,
-                                                                p.parsed))
-        await asyncio.shield(self.rt.admission.rebook(ticket, counted.ask()))
-        record.estimated_prompt_tokens = prompt.tokens
-        set_header(headers, b"x-gateway-prompt-tokens", b"%d" % prompt.tokens)
-        set_header(headers, b"x-gateway-cached-tokens", b"%d" % ticket.cached_tokens)
-        return Sent.of(counted)
-
-    async def _forwarded(self, sent: Sent, up: Upstream, relay: Relay, ticket: Ticket,
-                         behind: asyncio.Task[Sent] | None = None) -> None:
+    async def _forwarded(self, sent: Sent, up: Upstream, relay: Relay, ticket: Ticket) -> None:
         """What the engine's answer teaches, whatever ended it: the stored response's place,
         output lengths, the prefix index, the cost accountant."""
         rt = self.rt
-        if behind is not None and behind.done() and not behind.cancelled():
-            if behind.exception() is None:
-                sent = behind.result()  # what follows reads the count
-            else:  # the bound stays booked: the safe side
-                log.error("counting request %s behind failed: %r", up.request_id,
-                          behind.exception())
         if relay.response_id is not None and relay.backend is not None and sent.store:
             # Where it is stored, and what its conversation now costs the next turn.
             tokens = (relay.prompt_tokens or sent.prompt_tokens) + (relay.completion_tokens or 0)

@@ -10,12 +10,11 @@ estimate; a text-only model refuses them with a clear 400.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gateway.cost import TokenCount, TokenCounter, openai_messages
+from gateway.cost import TokenCounter, openai_messages
 from gateway.cost.images import VisionRule, image_size, split_images
 from gateway.policy import ModelSpec
 from gateway.protocol import (
@@ -40,20 +39,13 @@ class Prompt:
     # the engine, not an embedding), when `block_size` was asked; else empty.
     hashes: Sequence[int] = ()
     hash_block: int = 0  # the block size they were hashed at
-    # Counted behind (a long new chat prompt, `behind_chars`): `tokens` is a bound its ids
-    # never pass and `least` a floor, `hashes` those of its blocks known so far; `pending`
-    # gives the exact Prompt. None: `tokens` is the count.
-    pending: asyncio.Future[Prompt] | None = None
-    least: int = 0
 
 
 async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
                        parsed: ParsedRequest, who: str, prior_tokens: int = 0,
-                       block_size: int | None = None, behind_chars: int = 0) -> Prompt:
-    """Raises the cost stage's RequestCostError for what the caller got wrong.
-    `behind_chars`: a chat prompt with this much new text may be answered with a bound and
-    counted behind (Prompt.pending)."""
-    p = await _count(counter, model, data, parsed, who, prior_tokens, block_size, behind_chars)
+                       block_size: int | None = None) -> Prompt:
+    """Raises the cost stage's RequestCostError for what the caller got wrong."""
+    p = await _count(counter, model, data, parsed, who, prior_tokens, block_size)
     if p.hashes and block_size and p.hash_block != block_size:  # (a chat's says it already)
         return replace(p, hash_block=block_size)
     return p
@@ -61,11 +53,10 @@ async def count_prompt(counter: TokenCounter, model: ModelSpec, data: dict[str, 
 
 async def _count(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
                  parsed: ParsedRequest, who: str, prior_tokens: int,
-                 block_size: int | None, behind_chars: int) -> Prompt:
+                 block_size: int | None) -> Prompt:
     if isinstance(parsed, ChatRequest):
         return await _chat(counter, model, data["messages"], data.get("tools"),
-                           template_kwargs(data), who, exact=True, block_size=block_size,
-                           behind_chars=behind_chars)
+                           template_kwargs(data), who, exact=True, block_size=block_size)
     if isinstance(parsed, ResponsesRequest):
         messages, exact = responses_messages(parsed)
         reasoning = data.get("reasoning")
@@ -88,52 +79,21 @@ async def _count(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
 
 async def _chat(counter: TokenCounter, model: ModelSpec, messages: Sequence[Any],
                 tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any],
-                who: str, exact: bool, block_size: int | None = None,
-                behind_chars: int = 0) -> Prompt:
+                who: str, exact: bool, block_size: int | None = None) -> Prompt:
     images: list[str] = []
     if model.vision is not None:
         messages, images = split_images(messages)
     # vLLM's normalisation first (null content, text parts, tool-call arguments), so the
     # count is the engine's count.
     tc = await counter.measure_chat(openai_messages(messages), tools, kwargs, caller=who,
-                                    block_size=None if images else block_size,
-                                    behind_chars=0 if images or not exact else behind_chars)
+                                    block_size=None if images else block_size)
     hash_block = (block_size or 0) if tc.hashes else 0
-    if tc.pending is not None:
-        return Prompt(tc.tokens, 1, True, tc.chars, tc.hashes, hash_block,
-                      pending=_exact(tc, block_size or 0),
-                      least=tc.least)
     if not images or model.vision is None:
         return Prompt(tc.tokens, 1, tc.exact and exact, tc.chars, tc.hashes, hash_block)
     v = model.vision
     rule = VisionRule(v.tokens_per_image, v.patch_px, v.max_tokens_per_image)
     return Prompt(tc.tokens + sum(rule.tokens(image_size(url)) for url in images), 1, False,
                   tc.chars)
-
-
-def _exact(tc: TokenCount, block_size: int) -> asyncio.Future[Prompt]:
-    """The prompt as counted, when `tc.pending` lands: a future chained by callbacks, not a
-    task (a task's steps are loop turns, and this runs for every prompt counted behind).
-    Cancelling it cancels the count."""
-    assert tc.pending is not None
-    counting = tc.pending
-    out: asyncio.Future[Prompt] = asyncio.get_running_loop().create_future()
-
-    def landed(f: asyncio.Future[tuple[int, Sequence[int]]]) -> None:
-        if out.done():
-            return
-        if f.cancelled():
-            out.cancel()
-        elif (exc := f.exception()) is not None:
-            out.set_exception(exc)
-        else:
-            tokens, hashes = f.result()
-            out.set_result(Prompt(tokens, 1, True, tc.chars, hashes,
-                                  block_size if hashes else 0))
-
-    counting.add_done_callback(landed)
-    out.add_done_callback(lambda o: counting.cancel() if o.cancelled() else None)
-    return out
 
 
 def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:

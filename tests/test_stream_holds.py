@@ -34,11 +34,11 @@ def _alive(kind: type) -> list[object]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("words", [5, 600], ids=["short", "counted-behind"])
+@pytest.mark.parametrize("words", [5, 600], ids=["short", "long"])
 async def test_an_open_stream_holds_neither_its_prompt_nor_its_body(start_sim: StartSim,
                                                                     words: int) -> None:
-    # 600 words are past `count_behind_chars`: sent on a bound, counted behind, whose
-    # result must not keep the request either.
+    # 600 words are counted in a worker thread, whose result must not keep the request
+    # either.
     content = " ".join(f"word{i}" for i in range(words))
     with start_sim() as sim:
         app = GatewayApp(parse_policy(policy_yaml([sim.url], extra=NO_KEEPER)))

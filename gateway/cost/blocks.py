@@ -64,13 +64,6 @@ class PromptWalk(Protocol):
 
     left_chars: int  # characters that may still need encoding
 
-    @property
-    def known_tokens(self) -> int: ...
-
-    def known_hashes(self) -> array[int]: ...
-
-    def bound(self, max_ids: Callable[[str], int]) -> int: ...
-
     def finish(self) -> tuple[int, array[int]]: ...
 
 
@@ -205,24 +198,6 @@ class Walk:
         self._learn = learn
         self._steps = steps
         self.left_chars = sum(map(len, pieces[at::2]))
-
-    @property
-    def known_tokens(self) -> int:
-        """The ids of the pieces walked: exact, and a floor of the whole prompt's."""
-        return self._node.tokens
-
-    def known_hashes(self) -> array[int]:
-        """The hashes of the full blocks within the pieces walked: the prompt's first ones."""
-        out = array("q")
-        for part in self._done:
-            out.extend(part)
-        return out
-
-    def bound(self, max_ids: Callable[[str], int]) -> int:
-        """The prompt's tokens at most: those walked, one a special piece left, and each text
-        piece left at most `max_ids` of it."""
-        left = self._pieces[self._at:]
-        return self._node.tokens + len(left) // 2 + sum(map(max_ids, left[::2]))
 
     def finish(self) -> tuple[int, array[int]]:
         """The prompt's token count and every full block's hash, learning the new steps."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -74,11 +74,6 @@ class TokenCount:
     chars: int
     exact: bool
     hashes: Sequence[int] = ()
-    # Counted behind (`measure_chat`'s `behind_chars`): `tokens` is a bound the ids never
-    # pass, `least` a floor, `hashes` those of the blocks known so far; `pending` gives the
-    # exact count and every hash when the worker has them.
-    pending: asyncio.Future[tuple[int, Sequence[int]]] | None = None
-    least: int = 0
 
 
 CompletionPrompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -154,13 +149,10 @@ class TokenCounter:
         *,
         caller: str = "",
         block_size: int | None = None,
-        behind_chars: int = 0,
     ) -> TokenCount:
         """Tokens and characters of a chat request; raises PromptTooLong or TemplateError.
         `caller`: whose turn a long prompt takes in the long lane; `block_size`: hash the
-        prompt's blocks too (prefix routing); `behind_chars`: a prompt this long with new text
-        is answered at once with a bound and counted behind (TokenCount.pending), where a
-        bound is known: in a worker from this much new text, else on the loop's next turn."""
+        prompt's blocks too (prefix routing)."""
         chars = chat_chars(messages, tools)
         self.check_chars(chars)
         tok = self.tokenizer
@@ -172,19 +164,6 @@ class TokenCounter:
                 # seen last turn: ~0.1 ms, under the hop to a worker); only what is new, if
                 # it is long, goes off the loop to be encoded and hashed.
                 walk = tok.walk_chat(block_size, messages, tools, **(template_kwargs or {}))
-                rank = tok.rank_bpe  # a byte-level BPE: its ids have a cheap bound
-                if behind_chars and chars >= behind_chars and walk.left_chars \
-                        and rank is not None:
-                    # The request goes on with a bound while what is new is counted: new
-                    # text from `behind_chars` on in a worker (off the loop even where it
-                    # would be counted inline: nothing waits), less on the loop once the
-                    # request is on its way (a turn's new question: a worker's hop would
-                    # cost more than its count).
-                    job: asyncio.Future[tuple[int, Sequence[int]]] = asyncio.ensure_future(
-                        self._off_loop(walk.left_chars, caller, walk.finish, may_inline=False)) \
-                        if walk.left_chars >= behind_chars else after_this(walk.finish)
-                    return TokenCount(walk.bound(rank.max_ids), chars, True,
-                                      walk.known_hashes(), job, walk.known_tokens)
                 tokens, hashes = await self._off_loop(walk.left_chars, caller, walk.finish)
                 return TokenCount(tokens, chars, True, hashes)
             # Ids instead of a count, through the same piece cache, and hashed in the same
@@ -242,24 +221,6 @@ class TokenCounter:
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
-
-
-def after_this(fn: Callable[[], T]) -> asyncio.Future[T]:
-    """`fn()`'s result, called from the event loop's next turn: after whatever the caller does
-    before it next waits (a request's forward, written to the engine)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        if future.cancelled():
-            return
-        try:
-            future.set_result(fn())
-        except Exception as exc:
-            future.set_exception(exc)
-
-    loop.call_soon(run)
-    return future
 
 
 def _then_trim(job: Any) -> Any:

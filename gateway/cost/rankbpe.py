@@ -134,16 +134,6 @@ class RankBPE:
             return True
         return all(_LONG_RUN not in raw.translate(table) for table in _TABLES)
 
-    def max_ids(self, text: str) -> int:
-        """A bound the ids of `text` never pass, for the cost of a length: a byte-level BPE
-        token is one byte at least of the (normalised) text, and a prefix space may be one
-        more. Admission may act on it before the ids are known (gateway/cost/counter.py)."""
-        if text.isascii():  # NFC leaves ASCII as it is
-            return len(text) + 1
-        if self._nfc:
-            text = unicodedata.normalize("NFC", text)
-        return len(text.encode("utf-8", "surrogatepass")) + 1
-
     def encode(self, text: str) -> list[int]:
         """Ids of text holding no added token; releases the GIL for the Rust work."""
         if self._nfc and not unicodedata.is_normalized("NFC", text):

@@ -12,7 +12,7 @@ def below_the_loop() -> None:
     FIFO, as benchmarks/proxy_overhead.py --realtime runs it, as some deployments pin a
     gateway), a worker inherits it and keeps the core for its whole time slice (100 ms), back
     to back through a queue of counts, while the loop waits: measured here, loop lags to 250 ms
-    with long prompts counted behind. The worker leaves real time for the fair scheduler, where
+    with long prompts being counted. The worker leaves real time for the fair scheduler, where
     the loop, real-time, always goes first. Under the fair scheduler nothing changes: a lower
     nice was tried and dropped, since it also puts counting below every other process on the
     host (a simulated engine's first count then missed its TTFT in the suite)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -78,8 +78,8 @@ class Turn:
 
 class Resumed:
     """A prompt's walk from a known position, with what is after it (the position's carry and
-    the render of the new messages) left whole until `finish` cuts and walks it: a request
-    counted behind (gateway/cost/counter.py) goes upstream on `bound` without that work."""
+    the render of the new messages) left whole until `finish` cuts and walks it, in a worker
+    where the new text is long (gateway/cost/counter.py)."""
 
     __slots__ = ("_block_size", "_chains", "_learn", "_piece_ids", "_specials", "_splitter",
                  "_start", "_text", "_turn", "left_chars")
@@ -98,25 +98,10 @@ class Resumed:
         self._start: Start | None = None
         self.left_chars = len(text)  # at most: a piece of it may be known to the trie
 
-    @property
-    def known_tokens(self) -> int:
-        return self._turn.node.tokens
-
     def _at(self) -> Start:
         if self._start is None:
             self._start = self._turn.start()
         return self._start
-
-    def known_hashes(self) -> array[int]:
-        out = array("q")
-        for part in self._at()[2]:
-            out.extend(part)
-        return out
-
-    def bound(self, max_ids: Callable[[str], int]) -> int:
-        """The prompt's tokens at most: the position's, and the text after it at most
-        `max_ids` of it (special tokens included: each is one id for several characters)."""
-        return self._turn.node.tokens + max_ids(self._text)
 
     def finish(self) -> tuple[int, array[int]]:
         key, node, done = self._at()

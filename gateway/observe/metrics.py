@@ -149,14 +149,6 @@ class GatewayMetrics:
             "1 while the model's chat template (for requests without tools) is rendered in "
             "plain Python, 0 while by Jinja.",
             ["model"], registry=r, multiprocess_mode="livemin")
-        # Long prompts with new text (server.count_behind_chars): sent on a bound while
-        # counted, or the count waited for where the bound would have decided otherwise.
-        self.counted_behind = Counter(
-            "gateway_prompts_counted_behind_total",
-            "Long prompts with new text, counted behind: sent upstream on a bound of their "
-            "tokens (`sent`), or held for the count where the bound decided otherwise "
-            "(`waited`).",
-            ["model", "outcome"], registry=r)
         # (generation, seconds, collected) of collections not yet observed; bounded, should
         # no tick come
         self._gc_pauses: deque[tuple[int, float, int]] = deque(maxlen=4096)
@@ -197,6 +189,11 @@ class GatewayMetrics:
             "gateway_engine_requests", "Requests the engine reports, scraped: `running` "
             "(vLLM/SGLang running, llama.cpp requests_processing) and `waiting` (queued in the "
             "engine; llama.cpp requests_deferred).", ["pool", "backend", "state"], registry=r,
+            multiprocess_mode="livemostrecent")
+        self.engine_kv_block_size = Gauge(
+            "gateway_engine_kv_block_size_tokens", "The engine's own KV block (vLLM "
+            "cache_config_info block_size), scraped: predicted cached tokens round down to it, "
+            "reservations up to the pool's largest.", ["pool", "backend"], registry=r,
             multiprocess_mode="livemostrecent")
         self.engine_slots = Gauge(
             "gateway_engine_slots", "A slot engine's slots (llama.cpp /props total_slots): the "

@@ -338,12 +338,6 @@ class ServerSpec(Strict):
     # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 16x
     # this while the rank encoder counts (gateway/cost/rankbpe.py); 0: never.
     inline_tokenize_chars: Annotated[int, Field(ge=0)] = 512
-    # A chat prompt with at least this many characters of text new to the piece cache goes
-    # upstream on a bound of its tokens (a byte-level BPE token is a byte at least) where the
-    # bound decides as the count would (route, context, admission; no token quota), and is
-    # counted behind, its reservation cut to the count when it lands (gateway/pipeline.py).
-    # 0: every prompt counted before it is sent.
-    count_behind_chars: Annotated[int, Field(ge=0)] = 1024
     # Garbage collection (gateway/serving/heap.py): start-up's objects are frozen out of every
     # collection, and every this many seconds the young generations' survivors move to the old
     # one (0: off, Python's own thresholds over the whole heap); the old generation is

@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.types import Send
 
@@ -86,9 +86,6 @@ class Upstream:
     # bound method for every stream, not a partial and a bound method held by each.
     on_first_byte: Callable[[Ticket], None] | None = None
     ticket: Ticket | None = None
-    # Its prompt counted behind (gateway/pipeline.py): the answer's headers, which carry the
-    # count, wait for it (an engine prefilling that prompt answers later than it lands).
-    ready: asyncio.Future[Any] | None = None
 
 
 # The stage budget's clock (gateway_request_stage_seconds; the engine's headers are timed on it
@@ -316,8 +313,6 @@ class Forwarder:
 
     async def _start(self, up: Upstream, ex: Relay, send: Send, status: int,
                      length: int | None) -> None:
-        if up.ready is not None and not up.ready.done():
-            await asyncio.wait([up.ready])
         headers = list(up.response_headers)
         up.response_headers = ()
         if ex.backend is not None:
