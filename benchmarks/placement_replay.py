@@ -39,12 +39,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from benchmarks import harness
 
 # The end-to-end benchmark's pool and its reference router, so both model the same thing.
-from benchmarks.prefix_routing import (  # noqa: E402  (after the path fix)
+from benchmarks.prefix_routing import (
     ENGINES,
     EPSILON,
     HASH_BLOCK,
@@ -54,12 +56,12 @@ from benchmarks.prefix_routing import (  # noqa: E402  (after the path fix)
     SLACK_TOKENS,
     TP,
 )
-from gateway.admission.decision import BackendView  # noqa: E402
-from gateway.cost.traces import open_trace  # noqa: E402
-from gateway.routing import PrefixRule, most_headroom_first, prefix_order  # noqa: E402
-from loadtest.sim.config import SimConfig  # noqa: E402
-from loadtest.sim.steptime import StepTimeModel  # noqa: E402
-from loadtest.workload import (  # noqa: E402
+from gateway.admission.decision import BackendView
+from gateway.cost.traces import open_trace
+from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from loadtest.sim.config import SimConfig
+from loadtest.sim.steptime import StepTimeModel
+from loadtest.workload import (
     MultiTurn,
     WorkloadError,
     multiturn_items,
@@ -160,15 +162,10 @@ def replay(reqs: Sequence[Request], rule: Rule, capacity_blocks: int, prefill_to
             e.cache.move_to_end(h)
         while len(e.cache) > room:
             e.cache.popitem(last=False)
-    ttfts.sort()
     means = [e.load_s for e in engines]
     avg = sum(means) / len(means)
-
-    def q(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))]
-
-    return Result(hit / total if total else 0.0, (q(0.5), q(0.9), q(0.99)),
-                  max(means) / avg if avg else 1.0)
+    p50, p90, p99 = (harness.percentile(ttfts, q) for q in (50, 90, 99))
+    return Result(hit / total if total else 0.0, (p50, p90, p99), max(means) / avg if avg else 1.0)
 
 
 def headroom(views: list[BackendView], r: Request, n: int) -> str:
@@ -217,7 +214,9 @@ def main() -> int:
     ap.add_argument("--stretch", type=float, action="append",
                     help="the Mooncake trace's times x this (default 1.2 and 1.5: the trace "
                          "at 0.93 and 0.75 of the four engines' prefill rate)")
+    ap.add_argument("--out", metavar="FILE.json", help="every rule's figures as JSON too")
     args = ap.parse_args()
+    results: dict[str, Any] = {"machine": harness.machine(), "workloads": {}}
     spec = SimConfig(model=MODEL, tp=TP).resolve()
     steps = StepTimeModel(spec.model, spec.gpu, TP, spec.dtype, spec.kv_dtype)
     prefill = 8192 / steps.prefill_s(8192)
@@ -258,6 +257,10 @@ def main() -> int:
             p50, p90, p99 = res.ttft
             print(f"  {name:<36} {100 * res.hit:5.1f}% {res.hit / base if base else 0:5.2f}x "
                   f"{p50:8.2f}s {p90:6.2f}s {p99:6.2f}s {res.balance:8.2f}", flush=True)
+            results["workloads"].setdefault(title, {})[name] = {
+                "hit": res.hit, "ttft_p50_p90_p99_s": res.ttft, "balance": res.balance}
+    if args.out:
+        harness.write_json(args.out, results)
     return 0
 
 

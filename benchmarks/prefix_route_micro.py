@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from benchmarks.harness import median, summary
 from gateway.admission.controller import Admission
 from gateway.admission.controller import _ask_view as _view
 from gateway.admission.decision import decide
@@ -58,12 +62,6 @@ def build(mode: str, n_backends: int) -> Admission:
     backends = Backends(policy, metrics)
     return Admission(policy, backends, MemoryState(), metrics, EngineScraper(5.0),
                      prefix=PrefixIndexes())
-
-
-def percentiles(samples: list[float]) -> tuple[float, float, float]:
-    samples = sorted(samples)
-    return (statistics.median(samples), samples[int(len(samples) * 0.99) - 1],
-            samples[-1])
 
 
 def timed(fn: Callable[[], object], n: int) -> list[float]:
@@ -115,8 +113,9 @@ def main() -> None:
     rounds: dict[str, list[tuple[float, float, float]]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
-            rounds[name].append(percentiles(timed(fn, args.n)))
-    results = {name: tuple(statistics.median(r[i] for r in got) for i in range(3))
+            s = summary(timed(fn, args.n))
+            rounds[name].append((s["p50"], s["p99"], s["max"]))
+    results = {name: tuple(median([r[i] for r in got]) for i in range(3))
                for name, got in rounds.items()}
     h = results["hit"]
     results["hit+hash"] = tuple(a + b for a, b in zip(h, results["hash"], strict=True))
@@ -174,7 +173,7 @@ def count_stage(tokens: int) -> None:
     print(f"count stage, ~{size}-token chat history, median of {n} (ms; shared machine)")
     print(f"{'':<22} {'count':>8} {'ids+hash':>9} {'added':>7}")
     for label, got in (("never seen", cold), ("next turn of a seen", warm)):
-        c, h = statistics.median(got["count"]), statistics.median(got["ids+hash"])
+        c, h = median(got["count"]), median(got["ids+hash"])
         print(f"{label:<22} {c:8.2f} {h:9.2f} {h - c:7.2f}")
 
 

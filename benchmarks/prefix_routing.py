@@ -42,28 +42,24 @@ import random
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from benchmarks.admission_goodput import processes  # noqa: E402  (after the path fix)
-from gateway.cost.traces import open_trace  # noqa: E402
-from gateway.prefix import block_hashes  # noqa: E402
-from loadtest.client import RequestSpec, StreamClient, completion_request  # noqa: E402
-from loadtest.report import Sample, figures  # noqa: E402
-from loadtest.sim.config import SimConfig  # noqa: E402
-from loadtest.workload import MultiTurn, multiturn_items  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from benchmarks import harness
+from gateway.cost.traces import open_trace
+from gateway.prefix import block_hashes
+from loadtest.client import RequestSpec, StreamClient, completion_request
+from loadtest.report import Sample, figures
+from loadtest.sim.config import SimConfig
+from loadtest.workload import MultiTurn, multiturn_items
 
-BIN = Path(sys.executable).parent
+ROOT = harness.ROOT
 MOONCAKE = ROOT / "traces" / "mooncake_conversation.jsonl.xz"
 
 TIME_SCALE = 4.0            # benchmarks/admission_goodput.py's
@@ -252,11 +248,6 @@ def lru_replay(sequence: Sequence[Sent], capacity_blocks: int, router: str) -> f
 # --- processes ------------------------------------------------------------------------------
 
 
-def _get(url: str, timeout: float = 5) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read()  # type: ignore[no-any-return]
-
-
 @dataclass
 class Engine:
     url: str
@@ -264,18 +255,18 @@ class Engine:
     replay: str
 
 
-def engine_cmds() -> tuple[list[Engine], list[tuple[list[str], str]]]:
+def engine_cmds() -> tuple[list[Engine], list[harness.Command]]:
     engines, cmds = [], []
-    for _ in range(ENGINES):
-        port, pub, rep = free_port(), free_port(), free_port()
-        e = Engine(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}",
-                   f"tcp://127.0.0.1:{rep}")
-        engines.append(e)
-        cmds.append(([str(BIN / "loadtest"), "sim", "--model", MODEL, "--gpu", "h100-sxm-80gb",
-                      "--tp", str(TP), "--served-model-name", "bench", "--tokenizer", "none",
-                      "--time-scale", str(TIME_SCALE), "--max-model-len", "32768",
-                      "--kv-events-endpoint", e.events, "--kv-events-replay-endpoint", e.replay,
-                      "--port", str(port), "--log-level", "warning"], e.url + "/health"))
+    for i in range(ENGINES):
+        pub, rep = harness.free_port(), harness.free_port()
+        cmd = harness.sim_command(["--model", MODEL, "--gpu", "h100-sxm-80gb", "--tp", str(TP),
+                                   "--served-model-name", "bench", "--tokenizer", "none",
+                                   "--time-scale", str(TIME_SCALE), "--max-model-len", "32768",
+                                   "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+                                   "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
+                                   "--log-level", "warning"], name=f"e{i}")
+        engines.append(Engine(cmd.url, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"))
+        cmds.append(cmd)
     return engines, cmds
 
 
@@ -310,41 +301,18 @@ signals: {{scrape_interval_s: 0.5, metrics_max_age_s: 3}}
 """
 
 
-def gateway_cmd(text: str, logdir: Path) -> tuple[str, tuple[list[str], str]]:
-    port = free_port()
-    path = logdir / f"policy-{port}.yaml"
-    path.write_text(text)
-    return (f"http://127.0.0.1:{port}",
-            ([str(BIN / "gateway"), "serve", "--policy", str(path), "--port", str(port),
-              "--log-level", "warning"], f"http://127.0.0.1:{port}/readyz"))
-
-
 class Usage:
-    """Each engine's KV usage twice a second: the balance of load over the run."""
+    """Each engine's KV usage (`poll`, twice a second): the balance of load over the run."""
 
     def __init__(self, engines: list[Engine]) -> None:
         self.engines = engines
         self.rows: list[list[float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def __enter__(self) -> Usage:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                row = [float(json.loads(_get(e.url + "/admin/state", 2))["kv_cache_usage"])
-                       for e in self.engines]
-            except (OSError, ValueError, KeyError):
-                continue
-            if any(row):
-                self.rows.append(row)
+    def poll(self) -> None:
+        row = [float(harness.get_json(e.url + "/admin/state", 2)["kv_cache_usage"])
+               for e in self.engines]
+        if any(row):
+            self.rows.append(row)
 
     def means(self) -> list[float]:
         n = max(1, len(self.rows))
@@ -357,7 +325,7 @@ class Usage:
 
 
 def engine_state(engines: list[Engine]) -> list[dict[str, Any]]:
-    return [json.loads(_get(e.url + "/admin/state")) for e in engines]
+    return [harness.get_json(e.url + "/admin/state") for e in engines]
 
 
 def gateway_prefix_counters(url: str) -> dict[str, dict[str, float]]:
@@ -368,12 +336,12 @@ def gateway_prefix_counters(url: str) -> dict[str, dict[str, float]]:
              "gateway_prefix_predicted_cached_tokens": "predicted",
              "gateway_prefix_engine_cached_tokens": "engine"}
     out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(_get(url + "/metrics").decode()):
+    for family in text_string_to_metric_families(harness.get(url + "/metrics").decode()):
         if family.name == "gateway_admission_decisions":
             for s in family.samples:
                 if s.name.endswith("_total") and s.labels["decision"] != "admitted" and s.value:
-                    key = f"{s.labels['decision']}/{s.labels['reason']}"
-                    out.setdefault("_refused", {})[key] = s.value
+                    why = f"{s.labels['decision']}/{s.labels['reason']}"
+                    out.setdefault("_refused", {})[why] = s.value
             continue
         if family.name == "gateway_prefix_placements":
             for s in family.samples:
@@ -443,14 +411,15 @@ class Run:
 
 def run_one(config: str, mode: str, work: Workload, tmp: Path, capacity: int) -> Run:
     engines, cmds = engine_cmds()
-    gw_url, gw_cmd = gateway_cmd(policy(engines, mode), tmp)
-    with processes([*cmds, gw_cmd], tmp, timeout=90):
+    gw = harness.gateway_command(policy(engines, mode), tmp)
+    usage = Usage(engines)
+    with harness.start_all([*cmds, gw], tmp, timeout=90):
         if mode == "precise":
             time.sleep(1.0)  # the subscriptions reach the engines' PUB sockets
-        with Usage(engines) as usage:
-            samples, sent, wall = asyncio.run(drive(gw_url, work))
+        with harness.Every(0.5, usage.poll):
+            samples, sent, wall = asyncio.run(drive(gw.url, work))
         states = engine_state(engines)
-        predicted = gateway_prefix_counters(gw_url)
+        predicted = gateway_prefix_counters(gw.url)
     queried = sum(s["prefix_cache_queried_tokens"] for s in states)
     hits = sum(s["prefix_cache_hit_tokens"] for s in states)
     report = figures(samples, wall, SLO, with_noise=False)
@@ -497,15 +466,15 @@ def verdicts(runs: dict[tuple[str, str], Run]) -> list[tuple[str, bool | None, s
 
     for w, times in (("mooncake", 1.4), ("multiturn", 2.5)):
         a = get("a", w)
-        for c in ("b", "c"):
-            r = get(c, w)
+        for config in ("b", "c"):
+            r = get(config, w)
             if r is None or a is None:
                 continue
-            out.append((f"{w}: ({c}) hit rate >= 90% of the bound",
+            out.append((f"{w}: ({config}) hit rate >= 90% of the bound",
                         r.hit_rate >= 0.9 * r.bound,
                         f"{100 * r.hit_rate:.1f}% vs bound {100 * r.bound:.1f}% "
                         f"({ratio(r.hit_rate, r.bound):.2f} of it)"))
-            out.append((f"{w}: ({c}) hit rate >= {times}x (a)'s",
+            out.append((f"{w}: ({config}) hit rate >= {times}x (a)'s",
                         r.hit_rate >= times * a.hit_rate,
                         f"{100 * r.hit_rate:.1f}% vs {100 * a.hit_rate:.1f}% = "
                         f"{ratio(r.hit_rate, a.hit_rate):.2f}x"))
@@ -564,6 +533,7 @@ def main() -> int:
           f"{TIME_SCALE:g}; SLO TTFT {SLO['ttft']:g} s, TPOT {SLO['tpot'] * 1000:.0f} ms wall "
           f"({SLO_REAL[0]:g} s / {SLO_REAL[1] * 1000:.0f} ms real)", flush=True)
     runs: dict[tuple[str, str], Run] = {}
+    machine = harness.machine()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -589,8 +559,8 @@ def main() -> int:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_route_micro.py"),
                         "--no-count", "--n", "2000", "--rounds", "3"], cwd=ROOT, check=False)
     if args.out:
-        Path(args.out).write_text(json.dumps(
-            [{**r.__dict__} for r in runs.values()], indent=2, default=str))
+        harness.write_json(args.out, {"machine": machine,
+                                      "runs": [{**r.__dict__} for r in runs.values()]})
     return 0
 
 

