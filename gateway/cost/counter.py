@@ -3,7 +3,8 @@
 A 16K-token prompt takes ~15 ms to encode; on the event loop that would stall every stream the
 gateway is relaying. So encoding runs in a small thread pool: the Rust encoder releases the GIL
 (`encode_batch_fast`) and threads share one piece cache, which a process pool would split per
-worker and pay to pickle every request into (benchmarks/tokenize_bench.py measures both).
+worker and pay to pickle every request into (benchmarks/tokenize_bench.py measured both; it
+is in git history).
 The template render and cache lookups (a 16K-token history of 17 messages: ~0.2 ms hot and
 ~0.5 cold with gateway/cost/native.py's render, ~0.6 / ~1.0 ms with Jinja's) are Python and
 hold the GIL in the worker; the loop can wait for it up to the interpreter's switch interval
@@ -95,7 +96,8 @@ class TokenCounter:
         self._own_executor = executor is None
         if workers is None:
             # Leave a core to the event loop: a worker that shares its core competes with it for
-            # the CPU as well as the GIL (benchmarks/tokenize_bench.py: 1 vs 2 threads on 2 CPUs).
+            # the CPU as well as the GIL (benchmarks/tokenize_bench.py, in git history: 1 vs 2
+            # threads on 2 CPUs).
             workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self._executor = executor or ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"tokenize-{tokenizer.name}",

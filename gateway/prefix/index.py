@@ -34,7 +34,8 @@ class IndexMode(enum.Enum):
 
 # Blocks in one LRU table. A table is an OrderedDict, and a dict rehashes itself whole when it
 # grows and, at a steady size, every so many inserts and evictions, the event loop held all
-# along: measured here (benchmarks/index_churn.py: 64 blocks stored, 64 evicted, a step) the
+# along: measured here (benchmarks/index_churn.py, in git history: 64 blocks stored, 64
+# evicted, a step) the
 # worst step of one table is 6.2 ms at 30,000 blocks, 28 ms at 120,000 and 298 ms at 1,000,000.
 # A backend's index (its KV capacity: millions of blocks with KV offload) is cut into tables of
 # at most this many, by hash, each aged out on its own: least recently used within its table,

@@ -3,7 +3,8 @@
 aiohttp's request path cost more than the gateway's whole pipeline: from `session.post` to
 the request's bytes on the socket, ~300 us back to back and 360-400 us after 35 ms idle on this
 machine, against 17-18 and 56-61 us for this client; to the engine's receipt 381 against 90-95
-us hot, 524-567 against 245-268 cold (benchmarks/engine_client.py, three runs). Each
+us hot, 524-567 against 245-268 cold (benchmarks/engine_client.py, three runs; the script is
+in git history). Each
 request builds a ClientRequest (its URL, headers, auto headers, cookies, body payload, writer
 task), a connection key and a timer context. Here the
 request line and the headers that do not change are one `bytes` per backend endpoint, made
