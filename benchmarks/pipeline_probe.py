@@ -34,7 +34,9 @@ from gateway.eager import finish
 from gateway.errors import GatewayError
 from gateway.inbound import Inbound
 from gateway.observe.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Pipeline, RequestContext
+from gateway.pipeline.forward import upstream_body
+from gateway.pipeline.prepare import prepare
 from gateway.policy.loader import parse_policy
 from gateway.runtime import build_runtime, load_counters, make_session
 from gateway.state.memory import MemoryState
@@ -94,10 +96,12 @@ async def probe(policy_text: str, body: bytes, *, gap_s: float, hot_n: int = 300
         async def once() -> float:
             t = STAGE_CLOCK()
             inbound = Inbound("chat", "probe", loop.time(), t, _HEADERS)
-            p = await pipe.prepare(inbound, _Caller(body), timed=True)
+            ctx = RequestContext(inbound, _Caller(body), timed=True)
+            await prepare(pipe.shared, ctx)
+            p = ctx.p
             quota = await rt.quotas.take(p.caller.tenant, p.work.quota_tokens, p.route.pool)
-            pipe._upstream_body(p)
-            ticket = await rt.admission.admit(p.ask(pipe.loop_time()))
+            upstream_body(p)
+            ticket = await rt.admission.admit(p.ask(loop.time()))
             took = STAGE_CLOCK() - t
             await finish(rt.admission.release(ticket))
             if quota is not None:

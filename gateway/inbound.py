@@ -1,4 +1,4 @@
-"""What the transport hands the pipeline (gateway/pipeline.py): the request as it arrived
+"""What the transport hands the pipeline (gateway/pipeline/): the request as it arrived
 (`Inbound`) and the caller (`Client`: read the body, answer an error, whether it has gone).
 Nothing here speaks ASGI; gateway/api/openai.py is the one transport.
 """

@@ -1,4 +1,4 @@
-"""What the stages before admission find of a request (gateway/pipeline.py runs them)."""
+"""What the stages before admission find of a request (gateway/pipeline/prepare.py runs them)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ class Work:
     def blocks(self) -> int:
         return self.cost.kv_blocks_reserved * self.sequences
 
+    def blocks_at(self, engine_block: int) -> int:
+        """`blocks` as an engine of `engine_block`-token blocks allocates them: whole blocks of
+        its size, counted in the pool's (a 40-token request holds one 128-token block of a CPU
+        vLLM, 8 of the pool's 16, not 3)."""
+        cost = self.cost
+        if engine_block <= cost.block_size:
+            return self.blocks
+        tokens = cost.prompt_tokens + cost.expected_output_tokens
+        whole = -(-tokens // engine_block) * engine_block
+        return -(-whole // cost.block_size) * self.sequences
+
     @property
     def tokens(self) -> int:
         """Tokens admission expects the request to hold (prompt + the learned output)."""
@@ -69,7 +80,7 @@ class Prepared:
         """What admission is asked; `now` (loop time): the time since the body was read (the
         gateway's reading of it, counting, waiting for the tokenizer) counts as time waited."""
         t = self.caller.tenant
-        return Ask(self.route.pool, self.work.blocks, self.work.tokens,
+        return Ask(self.route.pool, self.work.blocks_at(0), self.work.tokens,
                    priority=self.caller.priority, caller=t.name,
                    deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
                    tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,

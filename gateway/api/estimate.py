@@ -1,7 +1,7 @@
 """`POST /gateway/estimate`: what a request would cost and what admission would do, now.
 
 Takes the body of a chat or completions request (the endpoint is told by the presence of
-`messages`) and runs the request pipeline (gateway/pipeline.py) up to the admission decision:
+`messages`) and runs the request pipeline (gateway/pipeline/) up to the admission decision:
 the caller is identified as the completion endpoints identify it (401/403 alike), the body
 and JSON-shape limits apply before it is read and parsed, the prompt is counted, routed and
 estimated by the same stages, and admission previews the decision for the same tenant,

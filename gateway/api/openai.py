@@ -1,6 +1,6 @@
 """`/v1/chat/completions`, `/v1/completions` and `/v1/models`.
 
-The two POST endpoints are raw ASGI callables over the request pipeline (gateway/pipeline.py):
+The two POST endpoints are raw ASGI callables over the request pipeline (gateway/pipeline/):
 they are the hot path, and Starlette's request and response wrappers would add work on every
 streamed chunk. This module is only the transport: the headers the pipeline reads, the body
 read bounded in size and time, a watch for the caller leaving, and errors rendered in OpenAI's

@@ -3,7 +3,7 @@ batches.
 
 prometheus_client's `Histogram.observe` checks the metric, takes its value lock twice (the
 sum and the bucket) and walks the bounds in Python: ~1.3 us here, and a served request
-observes eight stages (gateway/pipeline.py). At 1,000 streams those observations were ~4.7%
+observes eight stages (gateway/pipeline/). At 1,000 streams those observations were ~4.7%
 of the worker's samples (py-spy, docs/benchmarks-proxy.md), where the issue allows the stage
 histogram 2% of the gateway's CPU. Here an observation is one `bisect` and two additions; it
 is made on the event loop's thread only, so nothing is locked. `flush` adds what was counted

@@ -104,7 +104,7 @@ class GatewayMetrics:
             "How late the event loop ran a timer: time every stream waited for CPU.",
             buckets=LAG_BUCKETS, registry=r)
         # Where the time before the first byte goes upstream is spent, one stage at a time
-        # (gateway/pipeline.py names them): the gateway's own cost, request by request.
+        # (gateway/pipeline/context.py names them): the gateway's own cost, request by request.
         self.request_stage = Histogram(
             "gateway_request_stage_seconds",
             "Time each request spends in each stage before its first byte goes upstream, and "
