@@ -341,7 +341,6 @@ async def _watch_loop_lag(metrics: GatewayMetrics) -> None:
         await asyncio.sleep(LAG_INTERVAL_S)
         observe(max(0.0, loop.time() - start - LAG_INTERVAL_S))
         metrics.flush_gc_pauses()  # noted by the GC callback, which must not observe itself
-        metrics.flush_batched()  # the request path's stage counts (gateway/observe/batched.py)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

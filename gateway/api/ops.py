@@ -50,9 +50,7 @@ async def metrics(request: Request) -> Response:
             404, media_type="application/json")
     if access == "admin_key" and (refused := refuse_non_admin(request, rt)) is not None:
         return refused
-    # What the request path counted since the last tick, added on this (the loop's) thread,
-    # the only one that counts; rendering walks every series, so off the loop.
-    rt.metrics.flush_batched()
+    # Rendering walks every series: off the loop.
     text = await asyncio.to_thread(
         lambda: generate_latest(exposition_registry(rt.metrics.registry)))
     return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -34,7 +34,6 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from gateway.observe.batched import BatchedObserve, Observe, batched
 from gateway.observe.children import LabelChildren
 from gateway.observe.kv_events_metrics import KVEventMetrics
 from gateway.observe.prefix_metrics import PrefixMetrics
@@ -152,9 +151,7 @@ class GatewayMetrics:
         # (generation, seconds, collected) of collections not yet observed; bounded, should
         # no tick come
         self._gc_pauses: deque[tuple[int, float, int]] = deque(maxlen=4096)
-        # The request path's stage observations, counted plainly and flushed (batched.py).
-        self._batches: list[BatchedObserve] = []
-        self._stage_observers: dict[str, Observe] = {}
+        self._stage_observers: dict[str, Callable[[float], None]] = {}
         # --- admission ---
         self.admission_decisions = Counter(
             "gateway_admission_decisions_total",
@@ -323,20 +320,14 @@ class GatewayMetrics:
         gc.callbacks.append(on_gc)
         self._gc_callback = on_gc
 
-    def stage_observer(self, stage: str) -> Observe:
-        """The observe function of gateway_request_stage_seconds{stage}: counts the request
-        path keeps, added to the histogram by `flush_batched`."""
+    def stage_observer(self, stage: str) -> Callable[[float], None]:
+        """The observe method of gateway_request_stage_seconds{stage}, its child bound once.
+        Eight observations a request cost ~10 us against ~4 ms of the gateway's CPU a request
+        at 100 streams: 0.3%."""
         observe = self._stage_observers.get(stage)
         if observe is None:
-            observe = self._stage_observers[stage] = batched(
-                self.request_stage.labels(stage), self._batches)
+            observe = self._stage_observers[stage] = self.request_stage.labels(stage).observe
         return observe
-
-    def flush_batched(self) -> None:
-        """Add the observations counted since the last call to their histograms (the
-        loop-lag monitor's tick, and before /metrics renders)."""
-        for batch in self._batches:
-            batch.flush()
 
     def flush_gc_pauses(self) -> None:
         """Observe the collections noted since the last call (the loop-lag monitor's tick)."""
