@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.serving.http_protocol import DISCONNECT_KEY, LINGER_S, Exchange, HttpProtocol
+from gateway.api.disconnect import DISCONNECT_KEY
+from gateway.serving.http_protocol import LINGER_S, Exchange, HttpProtocol
 from gateway.serving.server import ConnectionLimits, server_config
 from tests.servers import free_port
 

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.api.disconnect import DISCONNECT_KEY, DisconnectNotice
 from gateway.api.errors import http_error
 from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
@@ -28,7 +29,6 @@ from gateway.inbound import Inbound
 from gateway.pipeline import Gate, Pipeline
 from gateway.protocol import Endpoint, error_body
 from gateway.runtime import Runtime, runtime_of
-from gateway.serving.http_protocol import DISCONNECT_KEY, DisconnectNotice
 from gateway.upstream.forward import STAGE_CLOCK, ClientGone
 
 _JSON = (b"content-type", b"application/json")

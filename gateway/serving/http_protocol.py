@@ -57,18 +57,16 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 import httptools
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
+from gateway.api.disconnect import DISCONNECT_KEY, Listener
 from gateway.protocol import error_body, retry_headers
 
 logger = logging.getLogger("gateway.http")
 
-# The scope key under which a request finds its `Exchange` as its disconnect notice. A key of
-# the scope's own rather than one of ASGI's `extensions` dict: one dict fewer per stream.
-DISCONNECT_KEY = "gateway.disconnect"
 
 # A body buffered past this (not yet taken by `receive()`) pauses reading: uvicorn's figure.
 HIGH_WATER = 65536
@@ -134,16 +132,6 @@ def _default_head(headers: list[tuple[bytes, bytes]]) -> bytes:
     if _default[0] is not headers:
         _default = (headers, b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers))
     return _default[1]
-
-
-class Listener(Protocol):
-    def lost(self) -> None:
-        """The caller's connection was lost before its response was complete."""
-
-
-class DisconnectNotice(Protocol):
-    def watch(self, listener: Listener | None) -> None:
-        """Call `listener.lost()` on a disconnect from now on (None: no more)."""
 
 
 class Exchange:
