@@ -89,7 +89,7 @@ async def probe(policy_text: str, body: bytes, *, gap_s: float, hot_n: int = 300
     counters = load_counters(policy)
     rt = build_runtime(policy, metrics, session, MemoryState(), counters, time.time())
     try:
-        await rt.backends.probe_all(session)
+        await rt.backends.probe_all(rt.forwarder.aio.probe)
         pipe = Pipeline(rt)
         loop = asyncio.get_running_loop()
 

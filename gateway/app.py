@@ -204,7 +204,7 @@ class GatewayApp:
         rt = build_runtime(policy, self.metrics, self._session, self._state, counters,
                            time.time(), old.output_lengths if old else None,
                            old.prefix if old else None, self._engines)
-        await rt.backends.probe_all(self._session)
+        await rt.backends.probe_all(rt.forwarder.aio.probe)
         # One scrape before serving: capacities come from the engines, not the ledger, from
         # the first request on.
         await asyncio.gather(*(rt.scraper.scrape(self._session, pool, name, url, engine,
@@ -229,7 +229,8 @@ class GatewayApp:
         self.gate.cap = rt.policy.server.max_concurrent_requests
         sig = rt.policy.signals
         self._tasks = [
-            asyncio.create_task(rt.backends.run_prober(self._session), name="health-prober"),
+            asyncio.create_task(rt.backends.run_prober(rt.forwarder.aio.probe),
+                                name="health-prober"),
             asyncio.create_task(rt.admission.run(), name="admission"),
             asyncio.create_task(_every(5.0, rt.accountant.update), name="accounting"),
             asyncio.create_task(_every(5.0, lambda: self._show_encoders(rt)), name="encoders"),

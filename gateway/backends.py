@@ -3,8 +3,9 @@
 Health is passive and active together:
 - passive: `failure_threshold` consecutive failures (connect errors, 5xx, broken streams) eject
   a backend for `cooldown_s`; one success resets the count;
-- active: a prober GETs each backend's health path every `probe_interval_s`; a failed probe
-  marks it down until a probe succeeds.
+- active: a prober GETs each backend's health path every `probe_interval_s` (the GET is the
+  upstream seam's: gateway/upstream/aio.py `AioClient.probe`); a failed probe marks it down
+  until a probe succeeds.
 A backend takes traffic when its last probe succeeded and it is not ejected.
 """
 
@@ -14,18 +15,18 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-
-import aiohttp
 
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import BackendSpec, Policy, PoolSpec
-from gateway.upstream.aio import forget
 
 log = logging.getLogger("gateway.backends")
 
 Clock = Callable[[], float]
+# One health probe: (url, the backend's authorization header, timeout in seconds) -> (up, what
+# it saw, in words for the log).
+Probe = Callable[[str, str | None, float], Awaitable[tuple[bool, str]]]
 # Where an OpenAI-compatible engine (vLLM, SGLang) serves each endpoint the gateway forwards.
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                 "responses": "/v1/responses", "embeddings": "/v1/embeddings",
@@ -134,26 +135,13 @@ class Backends:
 
     # --- active probing ---------------------------------------------------------------------
 
-    async def probe_all(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self._probe(session, b) for b in self.all()))
+    async def probe_all(self, probe: Probe) -> None:
+        await asyncio.gather(*(self._probe(probe, b) for b in self.all()))
 
-    async def _probe(self, session: aiohttp.ClientSession, b: Backend) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.policy.health.probe_timeout_s)
+    async def _probe(self, probe: Probe, b: Backend) -> None:
         # The probe carries the backend's key, as requests do: an engine that requires one
         # answers 401 to a bare probe and would look down forever.
-        headers = {"authorization": b.auth_header} if b.auth_header else None
-        try:
-            # A redirect is not followed, as requests' are not (gateway/upstream/forward.py):
-            # the backend is down until its url is where the engine answers.
-            async with session.get(b.probe_url, timeout=timeout, headers=headers,
-                                   allow_redirects=False) as resp:
-                await resp.read()
-                ok, detail = resp.status == 200, f"HTTP {resp.status}"
-                if 300 <= resp.status < 400:
-                    detail += " (a redirect, not followed)"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ok, detail = False, type(exc).__name__
-            forget(exc)  # a down backend's every probe would leave a cycle for the sweep
+        ok, detail = await probe(b.probe_url, b.auth_header, self.policy.health.probe_timeout_s)
         if ok != b.probe_ok:
             log.warning("backend %s/%s is %s (%s)", b.pool, b.name, "up" if ok else "down",
                         detail)
@@ -166,10 +154,10 @@ class Backends:
         # often pass their health check while failing requests.
         self._publish(b)
 
-    async def run_prober(self, session: aiohttp.ClientSession) -> None:
+    async def run_prober(self, probe: Probe) -> None:
         while True:
             await asyncio.sleep(self.policy.health.probe_interval_s)
             try:
-                await self.probe_all(session)
+                await self.probe_all(probe)
             except Exception:  # never let the prober die; the next round tries again
                 log.exception("health probe round failed")

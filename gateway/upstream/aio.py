@@ -151,6 +151,25 @@ class AioClient:
             failure = _failure(exc, answered=False)
         raise failure
 
+    async def probe(self, url: str, auth_header: str | None, timeout_s: float
+                    ) -> tuple[bool, str]:
+        """A health probe (gateway/backends.py): up when `url` answers 200 within `timeout_s`.
+        A redirect is not followed, as requests' are not: the backend is down until its url is
+        where the engine answers."""
+        headers = {"authorization": auth_header} if auth_header else None
+        try:
+            async with self.session.get(url, headers=headers, allow_redirects=False,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                detail = f"HTTP {resp.status}"
+                if 300 <= resp.status < 400:
+                    detail += " (a redirect, not followed)"
+                return resp.status == 200, detail
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            detail = type(exc).__name__
+            forget(exc)  # a down backend's every probe would leave a cycle for the sweep
+            return False, detail
+
     async def request(self, method: str, url: str, body: bytes | None,
                       headers: dict[str, str], connect_timeout_s: float,
                       read_timeout_s: float) -> Whole:
