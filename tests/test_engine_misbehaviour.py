@@ -108,15 +108,15 @@ async def test_events_split_at_every_byte_reach_the_caller_whole_and_usage_is_ch
 
 @pytest.mark.anyio
 async def test_the_official_sdk_reads_every_split_stream(gateway: Server) -> None:
-    client = async_openai_client(gateway.url)
-    for r in range(K):
-        stream = await client.chat.completions.create(
-            model="test-model", max_tokens=16, stream=True,
-            messages=[{"role": "user", "content": f"stream spaced cut {K} {r}"}])
-        chunks = [chunk async for chunk in stream]
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-            "".join(TEXT)
-        assert all(c.choices for c in chunks), r
+    async with async_openai_client(gateway.url) as client:  # closed on this test's loop
+        for r in range(K):
+            stream = await client.chat.completions.create(
+                model="test-model", max_tokens=16, stream=True,
+                messages=[{"role": "user", "content": f"stream spaced cut {K} {r}"}])
+            chunks = [chunk async for chunk in stream]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+                "".join(TEXT)
+            assert all(c.choices for c in chunks), r
 
 
 @pytest.mark.anyio
