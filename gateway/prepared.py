@@ -80,7 +80,7 @@ class Prepared:
         """What admission is asked; `now` (loop time): the time since the body was read (the
         gateway's reading of it, counting, waiting for the tokenizer) counts as time waited."""
         t = self.caller.tenant
-        return Ask(self.route.pool, self.work.blocks_at(0), self.work.tokens,
+        return Ask(self.route.pool, self.work.blocks_at(self.route.kv_block), self.work.tokens,
                    priority=self.caller.priority, caller=t.name,
                    deadline_s=self.caller.deadline_s, overflow=self.route.overflow,
                    tenant=t.name, tenant_share=t.max_kv_share, tenant_shadow=t.shadow,

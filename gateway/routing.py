@@ -41,6 +41,7 @@ from gateway.backends import Backend, Backends
 from gateway.errors import InvalidRequest, ModelNotFound, NoBackendAvailable
 from gateway.policy import ModelSpec, Policy
 from gateway.records import record
+from gateway.signals.blocks import EngineBlocks
 
 
 class _Loaded(Protocol):
@@ -137,12 +138,18 @@ class Route:
     model: ModelSpec
     pool: str
     overflow: bool = False  # sent here because its own (long-context) pool is down
+    # The largest KV block (tokens) the pool's engines reported, which they allocate whole to
+    # each request (gateway/signals/blocks.py); 0 until one has been scraped.
+    kv_block: int = 0
 
 
 class Router:
-    def __init__(self, policy: Policy, backends: Backends) -> None:
+    def __init__(self, policy: Policy, backends: Backends,
+                 blocks: EngineBlocks | None = None) -> None:
         self.policy = policy
         self.backends = backends
+        # The engines' block sizes, read by the scrapes (gateway/signals/blocks.py).
+        self._engine_blocks = (blocks or EngineBlocks()).pools
         self._models = {m.name: m for m in policy.models}
         self._pools_for = {m.name: policy.pools_for(m.name) for m in policy.models}
 
@@ -171,11 +178,12 @@ class Router:
         in_range = [p for p in fits if self._in_range(p, prompt_tokens)] or fits
         for pool in in_range:
             if self.backends.healthy(pool):
-                return Route(model, pool)
+                return Route(model, pool, kv_block=self._engine_blocks.get(pool, 0))
         for pool in in_range:
             target = self.policy.pools[pool].overflow_to
             if target and target in fits and self.backends.healthy(target):
-                return Route(model, target, overflow=True)
+                return Route(model, target, overflow=True,
+                             kv_block=self._engine_blocks.get(target, 0))
         down = "; ".join(f"{b.pool}/{b.name}: {b.public_status(self.backends.clock())}"
                          for pool in in_range for b in self.backends.pools[pool])
         raise NoBackendAvailable(

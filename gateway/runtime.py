@@ -103,10 +103,10 @@ def build_runtime(policy: Policy, metrics: GatewayMetrics, session: aiohttp.Clie
                   engines: EnginePool | None = None) -> Runtime:
     metrics.publish_policy(policy)
     backends = Backends(policy, metrics, upstream_key=_upstream_key(policy))
-    router = Router(policy, backends)
+    scraper = EngineScraper(policy.signals.metrics_max_age_s)
+    router = Router(policy, backends, scraper.blocks)
     forwarder = Forwarder(AioClient(session), router, policy.upstream.connect_timeout_s,
                           policy.upstream.read_timeout_s, engines)
-    scraper = EngineScraper(policy.signals.metrics_max_age_s)
     # What each backend holds survives a reload for the backends that stay.
     prefix = prefix or PrefixIndexes()
     prefix.retain((name, b.name) for name, pool in policy.pools.items() for b in pool.backends)

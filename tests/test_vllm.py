@@ -12,7 +12,10 @@ start, ~3.6 GiB).
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +24,13 @@ from typing import Any
 import openai
 import pytest
 
-from loadtest.vllm.server import SERVED_NAME, InstallImpossible, cached_python, vllm_python
+from loadtest.vllm.server import (
+    SERVED_NAME,
+    EngineShape,
+    InstallImpossible,
+    cached_python,
+    vllm_python,
+)
 from tests.conftest import StartGateway
 from tests.servers import (
     Reply,
@@ -34,7 +43,7 @@ from tests.servers import (
     quiet,
     scrape,
 )
-from tests.vllm import VllmServer, vllm_policy
+from tests.vllm import VllmServer, run_vllm, vllm_policy
 from tests.vllm import vllm_engine as vllm_engine  # the module's engine
 from tests.vllm import vllm_install as vllm_install  # the session fixture
 
@@ -289,3 +298,170 @@ def test_a_machine_without_the_cpu_torch_is_told_why(tmp_path: Path,
         vllm_python()
     assert cached_python() is None
     assert not list((tmp_path / "cache").glob("llm-gateway/vllm/*/venv"))
+
+
+def _conversation(gw_url: str, rounds: int = 4,
+                  session: str | None = None) -> list[tuple[int, int]]:
+    """(x-gateway-cached-tokens, vLLM's usage cached_tokens) of each turn of a conversation
+    whose system prompt no other test sends (the module's engine keeps its prefix cache)."""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": f"Session {session or uuid.uuid4().hex}. {PARAGRAPH * 2}"}]
+    seen = []
+    for turn in range(rounds):
+        messages.append({"role": "user", "content": f"Question {turn}: {PARAGRAPH}"})
+        reply = chat(gw_url, {"messages": messages})
+        assert reply.status == 200, reply
+        details = reply.json()["usage"].get("prompt_tokens_details") or {}
+        seen.append((int(reply.headers["x-gateway-cached-tokens"]),
+                     details.get("cached_tokens") or 0))
+        messages.append({"role": "assistant", "content": f"Answer {turn}: {PARAGRAPH}"})
+    return seen
+
+
+def test_predicted_cached_tokens_follow_vllms_blocks(
+        vllm_engine: VllmServer, start_gateway: StartGateway) -> None:
+    """The pool's block_size is the default 16, this vLLM's blocks are 128: once scraped, the
+    gateway predicts in vLLM's whole blocks what vLLM then reports it served, turn by turn
+    (hashed and predicted at 16 it said up to 112 tokens more)."""
+    block = int(cache_config(vllm_engine.url)["block_size"])
+    with start_gateway(vllm_policy([vllm_engine.url], vllm_engine.model_dir)) as gw:
+        poll_metric(gw.url, "gateway_engine_kv_block_size_tokens", lambda v: v == block,
+                    backend="v0")
+        turns = _conversation(gw.url)
+        assert turns[-1][1] >= 2 * block, turns  # vLLM served whole blocks of history
+        assert all(p % block == 0 and abs(p - s) < block for p, s in turns), turns
+        assert [p for p, _ in turns] == [s for _, s in turns], turns
+        quiet(gw.url)
+
+
+def _preemptions(engine_url: str) -> float:
+    return metric(scrape(engine_url), "vllm:num_preemptions_total")
+
+
+def _burst(url: str, n: int = 16) -> list[Reply]:
+    """`n` short requests at once, each 3 of vLLM's 128-token blocks by its end (~50 prompt
+    tokens + 300 decoded): 8 decoding at once (--max-num-seqs) want 24 blocks."""
+    def one(i: int) -> Reply:
+        return chat(url, {"messages": [{"role": "user", "content": f"{i}: {PARAGRAPH}"}],
+                          "max_tokens": 300, "ignore_eos": True}, timeout=240)
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_a_burst_reserves_vllms_whole_blocks(
+        vllm_install: tuple[Path, Path], tmp_path: Path, start_gateway: StartGateway) -> None:
+    """16 short requests against a vLLM of 20 blocks of 128 tokens, direct and through the
+    gateway: reservations in vLLM's whole blocks (3 each) admit 6 at once, what its cache
+    holds, where blocks of 16 (22 each, of 144 under kv_usage_max) admitted all it decodes at
+    once (--max-num-seqs 8) and it preempted as often as direct. Overbooking is off: learnt
+    from KV usage while the burst is still decoding (each request holding 1 of its 3 blocks),
+    it doubles the budget and the engine preempts again (2 against 4 direct, measured)."""
+    python, model = vllm_install
+    shape = EngineShape(num_gpu_blocks=20)
+    with run_vllm(python, model, tmp_path, shape) as engine:
+        before = _preemptions(engine.url)
+        direct = _burst(engine.url)
+        assert [r.status for r in direct] == [200] * 16
+        preempted_direct = _preemptions(engine.url) - before
+        policy = vllm_policy([engine.url], model, pool_extra="    admission: "
+                             "{queue_wait_max_s: 300, overbook_max: 1}\n")
+        with start_gateway(policy) as gw:
+            poll_metric(gw.url, "gateway_engine_kv_block_size_tokens", lambda v: v == 128,
+                        backend="v0")
+            before = _preemptions(engine.url)
+            gated = _burst(gw.url)
+            preempted_gated = _preemptions(engine.url) - before
+            print(f"preemptions: direct {preempted_direct:g}, through the gateway "
+                  f"{preempted_gated:g}")
+            assert [r.status for r in gated] == [200] * 16
+            assert preempted_direct >= 2, preempted_direct
+            assert preempted_gated <= 0.1 * preempted_direct, (preempted_gated,
+                                                               preempted_direct)
+            quiet(gw.url, timeout=30)
+
+
+def test_vllms_own_503_goes_to_another_backend_or_back_with_retry_after(
+        vllm_install: tuple[Path, Path], vllm_engine: VllmServer, tmp_path: Path,
+        start_gateway: StartGateway) -> None:
+    """A vLLM started with --max-num-queued-reqs 1 refuses a second request in flight with 503
+    before starting it (vllm:admission_rejections_total): in a pool with another vLLM the
+    request goes there; alone, the caller gets vLLM's 503 with the gateway's retry headers.
+    Nothing stays reserved or in flight."""
+    python, model = vllm_install
+    shape = EngineShape(extra=("--max-num-queued-reqs", "1"))
+    body = {"messages": [{"role": "user", "content": PARAGRAPH}], "max_tokens": 48,
+            "ignore_eos": True}
+    with run_vllm(python, model, tmp_path, shape) as valved:
+        rejected = "vllm:admission_rejections_total"
+        before = metric(scrape(valved.url), rejected, reason="max_num_queued_reqs")
+        with start_gateway(vllm_policy([valved.url, vllm_engine.url], model)) as gw, \
+                ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: chat(gw.url, body, timeout=120), range(6)))
+            assert [r.status for r in replies] == [200] * 6, replies
+            assert {r.headers["x-gateway-backend"] for r in replies} <= {"v0", "v1"}
+            quiet(gw.url)
+        refused = metric(scrape(valved.url), rejected, reason="max_num_queued_reqs") - before
+        assert refused >= 1, refused  # the valve refused, and the gateway moved on
+
+        with start_gateway(vllm_policy([valved.url], model)) as gw:
+            long = {**body, "max_tokens": 400}
+            with ThreadPoolExecutor(1) as pool:
+                holding = pool.submit(chat, valved.url, long, 120)
+                poll_metric(valved.url, "vllm:num_requests_running", lambda v: v == 1)
+                busy = chat(gw.url, body)
+                assert busy.status == 503, busy
+                assert (busy.headers["retry-after"], busy.headers["x-should-retry"]) == (
+                    "1", "true")
+                assert busy.headers["x-gateway-backend"] == "v0"
+                error = busy.json()["error"]
+                assert error["type"] == "server_error" and "busy" in error["message"], error
+                assert holding.result().status == 200
+            quiet(gw.url)
+
+
+def test_precise_mode_follows_vllms_own_kv_events(
+        vllm_install: tuple[Path, Path], tmp_path: Path, start_gateway: StartGateway,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ZMQ publisher (--kv-events-config, on this machine only) decoded as it sends it
+    (BlockStored with uint64 hashes, block_size 128, medium, group_idx, kv_cache_spec_kind):
+    the gateway's predictions follow what vLLM reports it served, turn by turn, and a reset of
+    its prefix cache (AllBlocksCleared) empties the index."""
+    python, model = vllm_install
+    # vLLM 0.32 binds its PUB socket only at a wildcard or ipc:// endpoint and connects to any
+    # other (a consumer must bind there): ipc keeps it on this machine. Its replay socket
+    # always binds.
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"tcp://127.0.0.1:{free_port()}"
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": pub, "replay_endpoint": replay})
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # POST /reset_prefix_cache
+    shape = EngineShape(extra=("--kv-events-config", config))
+    with run_vllm(python, model, tmp_path, shape) as engine:
+        policy = vllm_policy([engine.url], model, pool_extra=(
+            "    routing: {prefix: {mode: precise}}\n"))
+        policy = policy.replace(
+            f'url: "{engine.url}"}}',
+            f'url: "{engine.url}", kv_events: {{endpoint: "{pub}", '
+            f'replay_endpoint: "{replay}"}}}}')
+        with start_gateway(policy) as gw:
+            poll_metric(gw.url, "gateway_kv_events_connected", lambda v: v == 1, backend="v0")
+            time.sleep(0.5)  # the subscription reaches vLLM's PUB socket
+            session = uuid.uuid4().hex
+            turns = _conversation(gw.url, session=session)
+            samples = scrape(gw.url)
+            stored = metric(samples, "gateway_kv_events_blocks_total", backend="v0",
+                            event="stored")
+            assert stored > 0 and metric(samples, "gateway_kv_events_precise",
+                                         backend="v0") == 1, samples
+            assert metric(samples, "gateway_kv_events_fallbacks_total", backend="v0") == 0
+            assert turns[-1][1] >= 256, turns
+            assert all(abs(p - s) < 128 for p, s in turns), turns
+            assert [p for p, _ in turns] == [s for _, s in turns], turns
+
+            assert _conversation(gw.url, 1, session)[0][0] > 0  # its first turn is cached
+            assert http("POST", engine.url + "/reset_prefix_cache").status == 200
+            # vLLM publishes AllBlocksCleared with its next step's batch, not at the reset: an
+            # idle engine says it once another request runs.
+            assert chat(gw.url, {"messages": [{"role": "user", "content": "Hi"}]}).status == 200
+            time.sleep(0.5)
+            assert _conversation(gw.url, 1, session) == [(0, 0)]
+            quiet(gw.url)

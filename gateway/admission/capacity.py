@@ -17,13 +17,17 @@ queues the rest where priority, fairness and early rejection apply.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from gateway.admission.pool import PoolState
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy, PoolSpec
 from gateway.profiles import get_gpu, ledger
+from gateway.signals.blocks import disagreement
 from gateway.signals.engines import EngineSample, EngineScraper
+
+log = logging.getLogger("gateway.admission")
 
 UNKNOWN_CAPACITY_BLOCKS = 1 << 40  # no architecture and no engine report: only tokens bound
 # Learn the overbooking ratio only from samples where reservations hold a fair share of the
@@ -42,6 +46,7 @@ class Capacity:
         self.scraper = scraper
         self.metrics = metrics
         self.replicas = replicas  # replicas alive: each takes its share of per-replica counts
+        self._said: dict[str, dict[str, int]] = {}  # the block sizes last warned of, by pool
 
     def planned_blocks(self, spec: PoolSpec) -> int:
         if spec.kv_blocks is not None:
@@ -92,6 +97,9 @@ class Capacity:
         return None
 
     def on_engine_sample(self, ps: PoolState, backend: str, sample: EngineSample) -> None:
+        if sample.block_size and self.scraper.blocks.report(ps.name, backend,
+                                                             sample.block_size):
+            self._block_size_changed(ps, backend, sample.block_size)
         if sample.slot_tokens:
             ps.slot_blocks[backend] = max(1, sample.slot_tokens // ps.spec.block_size)
             if sample.slots is not None:
@@ -107,6 +115,17 @@ class Capacity:
         if sample.kv_usage is not None:
             self.metrics.engine_kv_usage.labels(ps.name, backend).set(sample.kv_usage)
             self._learn_overbook(ps, backend, sample.kv_usage)
+
+    def _block_size_changed(self, ps: PoolState, backend: str, size: int) -> None:
+        """An engine's KV block size, first scraped or changed (a restart): exported, and
+        said once in the log where the pool's engines or its `block_size` disagree (`gateway
+        check` cannot know: it reads the policy, never the engines)."""
+        self.metrics.engine_kv_block_size.labels(ps.name, backend).set(size)
+        engines = self.scraper.blocks.reported(ps.name)
+        said = disagreement(ps.spec.block_size, engines)
+        if said is not None and self._said.get(ps.name) != engines:
+            self._said[ps.name] = engines
+            log.warning("pool %s: %s", ps.name, said)
 
     def _learn_overbook(self, ps: PoolState, backend: str, kv_usage: float) -> None:
         """How much our reservations exceed the blocks the engine really holds."""

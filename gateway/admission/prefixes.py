@@ -3,9 +3,10 @@ session's backend, and keeping every backend's prefix index (gateway/prefix/inde
 
 Per request and backend the view carries the predicted cached tokens (the index's leading
 blocks x block size, at most the prompt less one token: an engine always computes the last
-token to get its logits) and the blocks requests in flight there already hold (not reserved
-twice). On admission the prompt's blocks go into the chosen backend's index (approximate
-mode: what the gateway sent is what the engine will hold) and are held until release.
+token to get its logits, rounded down to the engine's own block, the grain it caches by) and
+the blocks requests in flight there already hold (not reserved twice; whole engine blocks).
+On admission the prompt's blocks go into the chosen backend's index (approximate mode: what
+the gateway sent is what the engine will hold) and are held until release.
 
 Session affinity is rendezvous hashing (highest random weight) over all of the pool's
 backends: a backend that goes away moves only its own sessions, and every gateway replica
@@ -50,6 +51,8 @@ class PrefixPlacement:
         self.indexes = indexes
         self.metrics = metrics.prefix
         self._counters: dict[tuple[str, str], tuple[float, float]] = {}  # last scraped
+        # Each engine's own KV block, scraped (gateway/signals/blocks.py): what it caches.
+        self._engine_block: dict[tuple[str, str], int] = {}
 
     def configure(self, ps: PoolState) -> None:
         """Each backend's index at its capacity and mode (after start and every reload)."""
@@ -68,6 +71,8 @@ class PrefixPlacement:
     def on_sample(self, ps: PoolState, backend: str, sample: EngineSample) -> None:
         """An engine's scrape: its prefix-cache counters exported, its KV capacity (just
         learnt by Capacity) the index's, and a restart (its counters fell) forgets it."""
+        if sample.block_size:
+            self._engine_block[ps.name, backend] = sample.block_size
         index = self.indexes.get(ps.name, backend)
         if index is not None and ps.spec.routing.prefix.capacity_blocks is None \
                 and backend in ps.capacity:
@@ -117,6 +122,12 @@ class PrefixPlacement:
         # at most the full blocks before it (vLLM's get_computed_blocks).
         cached = min(max(match, held),
                      max(0, ask.prompt_tokens - 1) // block) * block
+        # The engine caches and shares whole blocks of its own size: of a prefix matched to
+        # the middle of one of its blocks it serves (and holds once) only the blocks before.
+        engine = self._engine_block.get((ps.name, backend), block)
+        if engine > block:
+            cached -= cached % engine
+            held -= held % (engine // block) if engine % block == 0 else held
         return cached, held
 
     def affinity(self, ps: PoolState, ask: Ask) -> str | None:

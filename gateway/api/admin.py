@@ -22,6 +22,7 @@ from gateway.auth import bearer
 from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime
 from gateway.serving.workers import PARENT_ENV
+from gateway.signals.blocks import disagreement
 
 
 class ReloadOutcome(Protocol):
@@ -104,6 +105,7 @@ async def state(request: Request) -> Response:
                 "kv_blocks_capacity": ps.capacity.get(b.name),
                 "kv_blocks_limit": rt.admission.max_blocks(ps, b.name),
                 "kv_blocks_reserved": ps.reserved.get(b.name, 0),
+                "kv_block_size": rt.scraper.blocks.backends.get((name, b.name)),
                 "engine": None if sample is None else {
                     "kv_usage": sample.kv_usage, "waiting": sample.waiting,
                     "running": sample.running, "age_s": round(now - sample.at, 3)},
@@ -115,6 +117,8 @@ async def state(request: Request) -> Response:
         pools[name] = {
             "shadow": ps.spec.admission.shadow,
             "backends": backends,
+            "block_size_disagreement": disagreement(ps.spec.block_size,
+                                                    rt.scraper.blocks.reported(name)),
             "reserved_tokens": ps.reserved_tokens,
             "queue": {"depth": len(ps.queue), "by_priority": depth},
             "drain_rate_tokens_s": round(ps.drain_rate, 1),

@@ -148,6 +148,13 @@ def protections(policy: Policy, pool: PoolSpec) -> list[str]:
         out.append(f"KV reservations: from the engines' own reports once scraped (no "
                    f"architecture or kv_blocks for a planned figure), up to kv_usage_max "
                    f"{kv.value:g} ({kv.source})")
+    if pool.engine == "vllm":
+        # Only the engines know their block size (16 on a GPU by default, 128 on a CPU):
+        # check never reaches them, so it says the rule and the first scrape says the facts.
+        out.append(f"KV blocks: reservations and predicted cached tokens in whole blocks of "
+                   f"the engines' own size (vllm:cache_config_info) once scraped, until then "
+                   f"of block_size {pool.block_size}; engines that differ from each other or "
+                   f"from it are logged then (gateway_engine_kv_block_size_tokens)")
     return out + _limits(th, why, a)
 
 

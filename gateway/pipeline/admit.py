@@ -49,7 +49,7 @@ async def decide(sh: Shared, ctx: RequestContext) -> None:
         "prompt_blocks_hashed": len(p.prompt.hashes),
         "exact": p.prompt.exact,
         "sequences": p.work.sequences,
-        "reserve_blocks": p.work.blocks,
+        "reserve_blocks": p.work.blocks_at(p.route.kv_block),
         "reserve_tokens": p.work.tokens,
         "cost": p.work.cost.to_dict(),
         "decision": sh.rt.admission.preview(p.ask(sh.loop_time())),

@@ -18,9 +18,11 @@ in `examples/online_serving/kv_events_subscriber.py`; SGLang publishes the same)
 The engine's hashes cannot be reproduced by the gateway (seeded sha256 or pickled tuples), so
 each stored block is re-hashed from its token ids with the gateway's chained hash
 (gateway/prefix/hashing.py), continuing the chain from the parent's gateway hash, and the index
-keeps engine hash -> gateway hash for removals. A block whose parent the gateway never saw
-(published before it subscribed) cannot be chained and is skipped: it would never be matched
-anyway, as a match needs every leading block.
+keeps engine hash -> gateway hash for removals. An engine whose blocks are a multiple of the
+pool's `block_size` (a CPU vLLM's 128 under the default 16) is followed in the pool's blocks,
+the last of each engine block standing for it (gateway/signals/blocks.py says why). A block
+whose parent the gateway never saw (published before it subscribed) cannot be chained and is
+skipped: it would never be matched anyway, as a match needs every leading block.
 
 Faults never reach a request: an undecodable batch, an unfilled gap in the sequence, a stream
 that stays silent while the engine has work from us, or a lost connection switches the
@@ -296,9 +298,9 @@ class Follower:
 
     def _store(self, index: PrefixIndex, event: Any) -> None:
         state = self.state
-        if event.block_size != self.block_size:
-            self.fault("block_size", f"the engine's blocks are {event.block_size} tokens, the "
-                       f"pool's {self.block_size}")
+        if event.block_size % self.block_size:
+            self.fault("block_size", f"the engine's blocks are {event.block_size} tokens, "
+                       f"which the pool's block_size {self.block_size} does not divide")
             return
         if (event.medium not in _GPU_MEDIA or event.group_idx not in (None, 0)
                 or event.lora_id is not None or event.lora_name is not None
@@ -308,7 +310,7 @@ class Follower:
             state.skipped += len(event.block_hashes)
             return
         engine = [_key(h) for h in event.block_hashes]
-        if len(event.token_ids) != len(engine) * self.block_size:
+        if len(event.token_ids) != len(engine) * event.block_size:
             self.fault("garbage", f"BlockStored with {len(engine)} blocks and "
                        f"{len(event.token_ids)} token ids")
             return
@@ -324,6 +326,14 @@ class Follower:
         refs = self._refs
         for e in engine:
             refs[e] = refs.get(e, 0) + 1
+        ratio = event.block_size // self.block_size
+        if ratio > 1:
+            # The engine's block is `ratio` of the pool's: each is learnt, and the last of
+            # them stands for the engine's block (its chain's end is the next block's parent).
+            # Removing that one ends any match inside the engine's block, which predictions
+            # round down to it; the ones before wait for the index's LRU.
+            index.store(ours)
+            ours = ours[ratio - 1::ratio]
         index.store(ours, engine)
         state.blocks_stored += len(engine)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.signals.blocks import EngineBlocks
 from gateway.upstream.aio import forget
 
 log = logging.getLogger("gateway.signals")
@@ -323,6 +324,8 @@ class EngineScraper:
         self.clock = clock
         self.samples: dict[tuple[str, str], EngineSample] = {}
         self.props: dict[tuple[str, str], tuple[int, int]] = {}  # llama.cpp: slots, per slot
+        # Their KV block sizes, kept while an engine is down (admission reports them here).
+        self.blocks = EngineBlocks()
 
     def fresh(self, pool: str, backend: str) -> EngineSample | None:
         s = self.samples.get((pool, backend))

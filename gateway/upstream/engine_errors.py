@@ -47,10 +47,19 @@ def openai_error(err: dict[str, object], status: int) -> bytes:
                       code if isinstance(code, str) else None)
 
 
+# An engine's 503 says no wait of its own (vLLM's queue valves never do): every backend of the
+# pool was busy, and a running engine's queue moves within about a second.
+ENGINE_BUSY_RETRY_S = 1.0
+
+
 def engine_error_headers(status: int, headers: dict[str, str]) -> None:
     """The body is re-rendered JSON; an engine's 429/503 with a Retry-After in seconds gets
-    retry-after-ms and x-should-retry beside it, as the gateway's own refusals do."""
+    retry-after-ms and x-should-retry beside it, as the gateway's own refusals do, and a 503
+    without one the gateway's (`ENGINE_BUSY_RETRY_S`)."""
     headers["content-type"] = "application/json"
+    if status == 503 and "retry-after" not in headers:
+        headers.update((k.decode(), v.decode()) for k, v in retry_headers(ENGINE_BUSY_RETRY_S))
+        return
     if status not in (429, 503) or "retry-after" not in headers:
         return
     try:

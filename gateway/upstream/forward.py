@@ -139,8 +139,8 @@ class Forwarder:
                       first: Backend | None = None) -> None:
         """Send `up` to `first` (admission's choice), or to the least-loaded backend of its
         pool, and relay the answer through `send`, noting what happened in `ex`. A connect
-        failure moves on to another backend of the pool (the reservation stays booked on the
-        first; it is short-lived).
+        failure or a busy engine's 503 moves on to another backend of the pool (the
+        reservation stays booked on the first; it is short-lived).
 
         Raises GatewayError before the response has started; after that, failures are
         written into the stream and recorded in `ex`.
@@ -165,8 +165,8 @@ class Forwarder:
         last_error = ""
         pool_size = len(self.backends.pools[up.pool])
         while len(tried) < pool_size:
-            backend = first if first is not None and not tried \
-                else self.router.pick(up.pool, tried)
+            backend = first if first is not None else self.router.pick(up.pool, tried)
+            first = None  # admission's choice goes first; then the router's (or a busy one's)
             if backend is None:
                 break
             tried += (backend,)
@@ -180,7 +180,18 @@ class Forwarder:
                 raise
             ex.headers_at = STAGE_CLOCK()
             if resp is not None:
-                return backend, resp
+                if resp.status != 503:
+                    return backend, resp
+                # vLLM answers 503 from its own valves (--max-num-queued-reqs/-tokens) before
+                # the request starts, "so that load balancers retry on a different instance"
+                # (vllm/exceptions.py): the next backend takes it; the last one's 503 is the
+                # caller's answer. Busy is not broken: no failure is recorded.
+                first = self.router.pick(up.pool, tried)
+                if first is None:
+                    return backend, resp
+                resp.close()
+                backend.outstanding -= 1
+                continue
             # A connect failure: nothing reached the engine; try another.
             backend.outstanding -= 1
             last_error = f"`{backend.name}`: {failure}"

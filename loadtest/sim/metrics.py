@@ -78,10 +78,13 @@ class SimMetrics:
                                REQUEST_LATENCY_BUCKETS).labels(*values)
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ("block_size", "cache_dtype", "enable_prefix_caching",
-                      "gpu_memory_utilization", "num_gpu_blocks", "engine"), registry=r)
+                      "gpu_memory_utilization", "num_gpu_blocks", "kv_cache_size_tokens",
+                      "engine"), registry=r)
+        # kv_cache_size_tokens as vLLM 0.32 writes it (one attention group: blocks x size).
         info.labels(str(spec.block_size), "auto" if spec.kv_dtype == "bf16" else "fp8",
                     str(spec.enable_prefix_caching), str(spec.gpu_memory_utilization),
-                    str(spec.num_gpu_blocks), "0").set(1)
+                    str(spec.num_gpu_blocks), str(spec.num_gpu_blocks * spec.block_size),
+                    "0").set(1)
         self._prefix_seen = (0, 0)
 
     def observe_step(self, core: EngineCore, events: StepEvents) -> None:
