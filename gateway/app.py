@@ -207,7 +207,7 @@ class GatewayApp:
         await rt.backends.probe_all(rt.forwarder.aio.probe)
         # One scrape before serving: capacities come from the engines, not the ledger, from
         # the first request on.
-        await asyncio.gather(*(rt.scraper.scrape(self._session, pool, name, url, engine,
+        await asyncio.gather(*(rt.scraper.scrape(rt.forwarder.aio.get_text, pool, name, url, engine,
                                                  policy.signals.scrape_timeout_s)
                                for pool, name, url, engine in _targets(rt)))
         for (pool, name), sample in rt.scraper.samples.items():
@@ -234,7 +234,7 @@ class GatewayApp:
             asyncio.create_task(rt.admission.run(), name="admission"),
             asyncio.create_task(_every(5.0, rt.accountant.update), name="accounting"),
             asyncio.create_task(_every(5.0, lambda: self._show_encoders(rt)), name="encoders"),
-            asyncio.create_task(rt.scraper.run(self._session, _targets(rt),
+            asyncio.create_task(rt.scraper.run(rt.forwarder.aio.get_text, _targets(rt),
                                                sig.scrape_interval_s, sig.scrape_timeout_s,
                                                rt.admission.on_engine_sample),
                                 name="engine-scraper"),

@@ -154,3 +154,43 @@ def test_the_gateway_and_the_commands_load_nothing_of_the_loadtest_extra() -> No
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+# What decides (who may, where to, how much) is plain code: no chain of imports from it
+# reaches an HTTP library or the gateway's HTTP side, the engines' seam included.
+PLAIN = ("gateway.routing", "gateway.admission", "gateway.quotas", "gateway.auth",
+         "gateway.cost", "gateway.errors", "gateway.backends", "gateway.prefix",
+         "gateway.state", "gateway.policy", "gateway.planner", "gateway.signals")
+HTTP_REACH = ("aiohttp", "starlette", "uvicorn", "httptools", "gateway.api", "gateway.app",
+              "gateway.serving", "gateway.upstream", "gateway.pipeline", "gateway.runtime")
+
+
+def reach(start: str) -> list[str] | None:
+    """The first import chain from `start` to anything of HTTP_REACH, or None."""
+    before: dict[str, str | None] = {start: None}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for name, _ in imports(module):
+            target = resolve(name) or name
+            if target in before:
+                continue
+            before[target] = module
+            if target.startswith(HTTP_REACH):
+                chain, at = [target], module
+                while at is not None:
+                    chain.append(at)
+                    at = before[at]
+                return chain[::-1]
+            if target in MODULES:
+                queue.append(target)
+    return None
+
+
+def test_the_decisions_reach_no_http_through_any_chain() -> None:
+    chains = {m: c for m in MODULES if m.startswith(PLAIN) and (c := reach(m)) is not None}
+    assert not chains, "\n".join(" -> ".join(c) for c in chains.values())
+
+
+def test_the_chain_finder_finds_one() -> None:
+    assert reach("gateway.upstream.aio") == ["gateway.upstream.aio", "aiohttp"]

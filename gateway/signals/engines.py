@@ -23,13 +23,10 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
-
 from gateway.signals.blocks import EngineBlocks
-from gateway.upstream.aio import forget
 
 log = logging.getLogger("gateway.signals")
 
@@ -303,17 +300,9 @@ def parse_engine_metrics(text: str, engine: str, at: float,
     return _vllm(found, at) if engine == "vllm" else _sglang(found, at)
 
 
-async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
-    try:
-        # A redirect is not followed, as requests' are not (gateway/upstream/forward.py).
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                               allow_redirects=False) as r:
-            if r.status != 200:
-                return None
-            return await r.text()
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
-        forget(exc)  # a down engine's every scrape would leave a cycle for the sweep
-        return None
+# One scrape: the page at a URL within a timeout, or None (not 200, not text, not reached).
+# The GET is the upstream seam's (gateway/upstream/aio.py `AioClient.get_text`).
+Fetch = Callable[[str, float], Awaitable[str | None]]
 
 
 class EngineScraper:
@@ -333,10 +322,10 @@ class EngineScraper:
             return None
         return s
 
-    async def scrape(self, session: aiohttp.ClientSession, pool: str, backend: str,
+    async def scrape(self, fetch: Fetch, pool: str, backend: str,
                      url: str, engine: str, timeout_s: float) -> EngineSample | None:
         key = (pool, backend)
-        text = await _get(session, url, timeout_s)
+        text = await fetch(url, timeout_s)
         if text is None:
             self.props.pop(key, None)  # it may come back restarted with other slots
             if engine != "llamacpp":
@@ -345,7 +334,7 @@ class EngineScraper:
         if engine == "llamacpp":
             props = self.props.get(key)
             if props is None:
-                page = await _get(session, url.removesuffix("/metrics") + "/props", timeout_s)
+                page = await fetch(url.removesuffix("/metrics") + "/props", timeout_s)
                 props = None if page is None else parse_llamacpp_props(page)
             if props is None:
                 return None
@@ -357,13 +346,13 @@ class EngineScraper:
         self.samples[(pool, backend)] = sample
         return sample
 
-    async def run(self, session: aiohttp.ClientSession,
+    async def run(self, fetch: Fetch,
                   targets: list[tuple[str, str, str, str]], interval_s: float,
                   timeout_s: float, on_sample: Callable[[str, str, EngineSample], None]) -> None:
         """Scrape (pool, backend, metrics url, engine kind) targets every `interval_s`."""
         while True:
             results = await asyncio.gather(*(
-                self.scrape(session, pool, backend, url, engine, timeout_s)
+                self.scrape(fetch, pool, backend, url, engine, timeout_s)
                 for pool, backend, url, engine in targets), return_exceptions=True)
             for (pool, backend, _, _), sample in zip(targets, results, strict=True):
                 if isinstance(sample, EngineSample):

@@ -170,6 +170,17 @@ class AioClient:
             forget(exc)  # a down backend's every probe would leave a cycle for the sweep
             return False, detail
 
+    async def get_text(self, url: str, timeout_s: float) -> str | None:
+        """An engine's page (its /metrics, llama.cpp's /props): its text if it answers 200
+        within `timeout_s`, else None. A redirect is not followed, as requests' are not."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                        allow_redirects=False) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            forget(exc)  # a down engine's every scrape would leave a cycle for the sweep
+            return None
+
     async def request(self, method: str, url: str, body: bytes | None,
                       headers: dict[str, str], connect_timeout_s: float,
                       read_timeout_s: float) -> Whole:
