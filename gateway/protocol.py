@@ -54,17 +54,27 @@ def sse_error_frame(message: str, type_: str = "server_error",
 # 0.5-8 s backoff, i.e. retry straight into the same refusal. The smaller cap is the line
 # past which a retry cannot help soon.
 SDK_RETRY_AFTER_CAP_S = 60.0
+# The most Retry-After and retry-after-ms ever say: the same minute. A longer wait is told
+# x-should-retry: false, so the SDKs stop at once whatever the delay says; a client that
+# honours Retry-After alone asks again within a minute and gets a fresh answer (one cheap
+# refusal a minute) rather than sleeping on a prediction the pool's load will have overtaken
+# (waits are predicted from a drain that moves in seconds) or, for a day's quota, for hours
+# (the message and x-ratelimit-reset-tokens still say when it refills). And whatever a cause
+# computes, no header carries a number no client can use (issue 43: 233077826149338).
+RETRY_AFTER_MAX_S = SDK_RETRY_AFTER_CAP_S
 
 
 def retry_headers(retry_after_s: float) -> list[tuple[bytes, bytes]]:
-    """Retry-After (whole seconds, at least 1, for every HTTP client), retry-after-ms (the
-    fraction the cause knows; the SDKs read it first) and x-should-retry (the SDKs obey it
-    over their own rules): false where the wait is past what an SDK would sleep, so that it
-    does not retry into the same refusal on its own backoff."""
-    ms = max(1, round(retry_after_s * 1000))
-    return [(b"retry-after", b"%d" % max(1, math.ceil(retry_after_s))),
-            (b"retry-after-ms", b"%d" % ms),
-            (b"x-should-retry", b"false" if retry_after_s > SDK_RETRY_AFTER_CAP_S else b"true")]
+    """Retry-After (whole seconds, 1 to `RETRY_AFTER_MAX_S`, for every HTTP client),
+    retry-after-ms (the fraction the cause knows, to the same ceiling; the SDKs read it first)
+    and x-should-retry (the SDKs obey it over their own rules): false where the wait is past
+    what an SDK would sleep, so that it does not retry into the same refusal on its own
+    backoff. A wait that is not a number (a bug where it was computed) says the ceiling."""
+    wait = RETRY_AFTER_MAX_S if math.isnan(retry_after_s) else max(0.0, retry_after_s)
+    told = min(wait, RETRY_AFTER_MAX_S)
+    return [(b"retry-after", b"%d" % max(1, math.ceil(told))),
+            (b"retry-after-ms", b"%d" % max(1, round(told * 1000))),
+            (b"x-should-retry", b"false" if wait > SDK_RETRY_AFTER_CAP_S else b"true")]
 
 
 def rate_limit_headers(window: RateWindow) -> list[tuple[bytes, bytes]]:

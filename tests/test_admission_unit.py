@@ -9,6 +9,7 @@ import pytest
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
 from gateway.admission.decision import AskView, place
 from gateway.admission.guard import LatencyGuard, combine, verdict
+from gateway.admission.pool import MEASURED_RELEASES, MEASURED_S
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.api.errors import headers_of
 from gateway.backends import Backends
@@ -95,7 +96,9 @@ async def test_admits_until_blocks_run_out_then_rejects_without_queue_room() -> 
 async def test_predicted_wait_over_deadline_is_rejected_early() -> None:
     adm, _, _ = make()
     held = await adm.admit(Ask("default", 100, 1600))
-    adm.pools["default"].drain_rate = 100.0  # tokens/s: 1,600 tokens take 16 s > 5 s
+    ps = adm.pools["default"]
+    # Measured while full: 100 tokens/s, so 1,600 tokens take 16 s > 5 s.
+    ps.drain_rate, ps.drain_busy_s, ps.drain_releases = 100.0, MEASURED_S, MEASURED_RELEASES
     with pytest.raises(Overloaded) as err:
         await adm.admit(Ask("default", 10, 1600))
     assert answer_headers(err.value)["x-gateway-reason"] == "predicted_wait"
@@ -109,6 +112,9 @@ async def test_predicted_wait_over_deadline_is_rejected_early() -> None:
 async def test_client_deadline_shorter_than_policy() -> None:
     adm, _, _ = make()
     held = await adm.admit(Ask("default", 100, 1600))
+    ps = adm.pools["default"]
+    # Measured: any wait is predicted to fit.
+    ps.drain_rate, ps.drain_busy_s, ps.drain_releases = 1e6, MEASURED_S, MEASURED_RELEASES
     with pytest.raises(Overloaded) as err:
         await adm.admit(Ask("default", 10, 160, deadline_s=0.05))
     assert answer_headers(err.value)["x-gateway-reason"] == "queue_timeout"

@@ -20,6 +20,7 @@ import pytest
 
 from gateway.admission import waiting
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
+from gateway.admission.pool import MEASURED_RELEASES, MEASURED_S
 from gateway.admission.thresholds import pool_planner_limits, thresholds_for
 from gateway.backends import Backends
 from gateway.commands.check import protections, warnings
@@ -320,6 +321,9 @@ async def test_a_request_that_spent_its_ttft_target_in_the_gateway_is_refused_ev
 async def test_time_spent_before_admission_counts_against_the_queue_deadline() -> None:
     adm = admission()
     full = await adm.admit(Ask("default", 100, 1600))  # the whole KV budget
+    ps = adm.pools["default"]
+    # Measured: any wait is predicted to fit.
+    ps.drain_rate, ps.drain_busy_s, ps.drain_releases = 1e6, MEASURED_S, MEASURED_RELEASES
     # 0.45 s of the 0.5 s deadline gone counting: it queues for what is left, then gives up.
     start = time.monotonic()
     with pytest.raises(Overloaded) as late:

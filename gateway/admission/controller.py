@@ -37,6 +37,7 @@ from gateway.admission.decision import (
     reservation_blocks,
 )
 from gateway.admission.guard import LatencyGuard
+from gateway.admission.pace import pace_for
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.prefixes import PrefixPlacement, rule_of
 from gateway.admission.preview import explain
@@ -107,6 +108,8 @@ class Admission:
                 metrics.kv_blocks_capacity.labels(name, b.name).set(ps.capacity[b.name])
                 metrics.kv_blocks_reserved.labels(name, b.name).set(0)
             self.capacity.rescale_guard(ps)
+            ps.pace = pace_for(spec, policy, ps.thresholds)
+            ticker.plan_drain(ps, self.replicas)
             self.prefix.configure(ps)
             self.pools[name] = ps
 
@@ -421,6 +424,7 @@ class Admission:
             self.metrics.child(self.metrics.kv_blocks_reserved, ps.name, b).set(ps.reserved[b])
         if completed:
             ps.drained_tokens += ticket.lease.tokens
+            ps.drained_requests += 1
         await self.drain(ps)
 
     async def drain(self, ps: PoolState) -> None:
@@ -456,7 +460,7 @@ class Admission:
     async def _slow_tick(self, elapsed: float) -> None:
         now = self.clock()
         for ps in self.pools.values():
-            ticker.update_drain_rate(ps, elapsed)
+            ticker.update_drain_rate(ps, elapsed, self.replicas)
             ticker.judge_latency(ps, now, self.metrics)
             await ticker.sync_usage(ps, self.state, self.metrics)
         ttl = min(p.spec.admission.lease_ttl_s for p in self.pools.values())

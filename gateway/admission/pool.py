@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from gateway.admission.decision import Mode
 from gateway.admission.guard import LatencyGuard
+from gateway.admission.pace import Pace
 from gateway.admission.queue import PRIORITIES, FairQueue
 from gateway.admission.thresholds import Thresholds
 from gateway.backends import Backend
@@ -16,6 +17,15 @@ from gateway.records import record
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, Watched
 from gateway.state import Lease, StateBackend
+
+# A full pool's drain (requests queued or refused for its capacity) replaces the planned one
+# once it has been seen for this long: five of the ticker's samples, past which the first one,
+# taken while the pool was still filling, weighs under a quarter of the average...
+MEASURED_S = 5.0
+# ...and this many requests have ended in it: engines whose requests run for longer than that
+# (a 70B model on slow engines) release nothing in their first seconds full, which says the
+# drain is not seen yet, not that it is zero.
+MEASURED_RELEASES = 3
 
 
 @record
@@ -82,12 +92,38 @@ class PoolState:
     prefill: dict[str, int] = field(default_factory=dict)  # backend -> tokens before 1st byte
     inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> this replica's
     drained_tokens: float = 0.0
-    drain_rate: float = 0.0  # tokens/s released, EWMA
+    drained_requests: int = 0
+    # Tokens/s released while the pool was full, EWMA (gateway/admission/ticker.py), and how
+    # many seconds and releases of that it has seen; `pressed`: queued or refused for
+    # capacity since the last tick.
+    drain_rate: float = 0.0
+    drain_busy_s: float = 0.0
+    drain_releases: int = 0
+    pressed: bool = False
+    # Tokens/s this replica's share of the pool drains at when full, by plan (pace.py), and
+    # what it is planned from; 0 and None: nothing to plan from.
+    planned_drain_rate: float = 0.0
+    pace: Pace | None = None
     overflow_inflight: int = 0
     overflow_cap: int = 0  # overflowed long requests this pool runs at once
     overbook: dict[str, float] = field(default_factory=dict)  # backend -> reserved / used
     tenant_blocks: dict[str, int] = field(default_factory=dict)  # this replica's, for shadow
     drain_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def drain_measured(self) -> bool:
+        return self.drain_busy_s >= MEASURED_S and self.drain_releases >= MEASURED_RELEASES
+
+    @property
+    def wait_rate(self) -> float | None:
+        """Tokens/s queue waits are predicted from: the drain measured while the pool was full,
+        once it is (`drain_measured`), else the planned one, else what is measured so far; None
+        where nothing is known (no prediction: the queue's deadline decides)."""
+        if self.drain_measured:
+            return self.drain_rate
+        if self.planned_drain_rate > 0:
+            return self.planned_drain_rate
+        return self.drain_rate if self.drain_rate > 0 else None
 
     @property
     def mode(self) -> Mode:

@@ -44,6 +44,10 @@ def explain(ps: PoolState, view: PoolView, d: Decision, ask: Ask, backends: Sequ
                  "guard_limit_tokens": ps.guard.limit, "token_limit": view.token_limit,
                  "guard_state": ps.guard.state, "queue_depth": len(ps.queue),
                  "drain_rate_tokens_s": ps.drain_rate,
+                 # Waits are predicted from the drain measured while the pool was full once it
+                 # is measured (pool.py), from the planned one until then.
+                 "drain_measured": ps.drain_measured,
+                 "planned_drain_rate_tokens_s": ps.planned_drain_rate,
                  "ttft_p99_s": ps.ttft.quantile(0.99), "tpot_p99_s": ps.tpot.quantile(0.99)},
         "tenant": {"held_blocks": view.tenant_held, "max_blocks": view.tenant_max},
         "thresholds": ps.thresholds.as_dict(),

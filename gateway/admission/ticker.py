@@ -1,6 +1,8 @@
 """What admission does once a second: drain rates, the latency guard, the shared state.
 
-- Each pool's drain rate (tokens/s released, an EWMA) is what queue waits are predicted from.
+- Each pool's drain rate (tokens/s released while it was full, an EWMA) is what queue waits
+  are predicted from once it is measured (`PoolState.drain_measured`); until then its planned
+  rate is (gateway/admission/pace.py), planned again each second from its limit then.
 - The latency guard judges the window's P99 TTFT and TPOT, with the streams still in flight
   counted as they stand (an engine in collapse completes nothing, and its streams say so at
   once), and cuts or restores the in-flight token limit.
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.admission.capacity import UNKNOWN_CAPACITY_BLOCKS
 from gateway.admission.guard import Verdict, combine, verdict
+from gateway.admission.pace import planned_drain
 from gateway.admission.pool import PoolState
 from gateway.observe.metrics import GatewayMetrics
 from gateway.signals.streams import TPOT_MARGIN, count_over
@@ -24,10 +28,34 @@ SLOW_TICK_S = 1.0
 HEARTBEAT_TTL_S = 5.0
 
 
-def update_drain_rate(ps: PoolState, elapsed: float) -> None:
-    rate = ps.drained_tokens / elapsed
-    ps.drained_tokens = 0.0
+def update_drain_rate(ps: PoolState, elapsed: float, replicas: int = 1) -> None:
+    """Measure the last `elapsed` seconds' drain where the pool was full for them, and plan
+    it again (the guard and the engines' reports move the limit it is planned from).
+
+    Only a full pool's releases say how fast it drains a queue: an idle one releases what it
+    is sent, and an EWMA fed its idle seconds decays toward zero (one warm-up request, then a
+    quiet minute and a half, predicted the first burst a wait of 2.3e14 s). Kept, not decayed,
+    while the pool is not full: its engines are as fast as when it was."""
+    full = ps.pressed or bool(ps.queue)
+    ps.pressed = False
+    drained, ps.drained_tokens = ps.drained_tokens, 0.0
+    released, ps.drained_requests = ps.drained_requests, 0
+    plan_drain(ps, replicas)
+    if not full:
+        return
+    rate = drained / elapsed
     ps.drain_rate = rate if ps.drain_rate == 0 else 0.7 * ps.drain_rate + 0.3 * rate
+    ps.drain_busy_s += elapsed
+    ps.drain_releases += released
+
+
+def plan_drain(ps: PoolState, replicas: int) -> None:
+    """The pool's drain by plan (gateway/admission/pace.py), at its latency guard's limit now;
+    none while its capacity is the unknown-capacity stand-in (no architecture, no engine
+    report, no cap), which no plan can rest on."""
+    unknown = ps.guard.ceiling >= UNKNOWN_CAPACITY_BLOCKS
+    ps.planned_drain_rate = 0.0 if unknown else \
+        planned_drain(ps.pace, ps.guard.limit, len(ps.capacity), replicas)
 
 
 def judge_latency(ps: PoolState, now: float, metrics: GatewayMetrics) -> None:

@@ -1,10 +1,11 @@
 """The queue stage: how long a request would wait, waiting itself, and the drain.
 
 A request that fits nowhere now waits in its pool's fair queue if the predicted wait (the work
-queued ahead of it and its own, over the pool's measured drain rate) fits its deadline; if not
-it is refused at once with a Retry-After from the same prediction: early rejection, as
-Mooncake does, instead of a timeout. The drain admits waiters in the queue's order on every
-release and on every tick, while they fit.
+queued ahead of it and its own, over the pool's drain rate: measured while it was full, planned
+until then; gateway/admission/ticker.py) fits its deadline; if not it is refused at once with a
+Retry-After from the same prediction: early rejection, as Mooncake does, instead of a timeout.
+The drain admits waiters in the queue's order on every release and on every tick, while they
+fit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.queue import Waiter
 from gateway.errors import GatewayError, Overloaded
+from gateway.protocol import RETRY_AFTER_MAX_S
 
 Attempt = Callable[[PoolState, Ask], Awaitable[Ticket | None]]
 Release = Callable[[Ticket], Awaitable[None]]
@@ -30,12 +32,21 @@ _FULL = {
     "tenant_share": "this tenant holds its whole share of the pool's KV cache",
 }
 
+# The longest wait a queue is predicted to take. Past ten minutes a prediction says only
+# "long" (the pool's load will have changed many times over before such a queue ends), and a
+# drain rate decayed near zero (a full pool that has released nothing for a while) would
+# otherwise predict years, or overflow to infinity.
+WAIT_HORIZON_S = 600.0
+
 
 def outlook(ps: PoolState, ask: Ask) -> tuple[float, float]:
     """(predicted wait, deadline left) for `ask` joining the queue now: the work queued ahead
-    of it and its own, over the pool's measured drain rate (0 until one is measured)."""
-    ahead = ps.queue.work_ahead(ask.priority, ask.caller)
-    predicted = (ahead + ask.tokens) / ps.drain_rate if ps.drain_rate > 0 else 0.0
+    of it and its own, over the pool's drain rate (`PoolState.wait_rate`; none known: 0), at
+    most `WAIT_HORIZON_S`."""
+    work = ps.queue.work_ahead(ask.priority, ask.caller) + ask.tokens
+    rate = ps.wait_rate
+    predicted = 0.0 if rate is None else \
+        WAIT_HORIZON_S if work >= rate * WAIT_HORIZON_S else work / rate
     deadline = ps.thresholds.queue_wait_max_s.value or 0.0
     if ask.deadline_s is not None:
         deadline = min(deadline, ask.deadline_s)
@@ -46,11 +57,18 @@ def outlook(ps: PoolState, ask: Ask) -> tuple[float, float]:
 
 def overloaded(ps: PoolState, cause: str, predicted: float, deadline: float,
                outcome: str | None = None) -> Overloaded:
-    """503 saying what is full (`cause`) and, if it got that far, why waiting won't do."""
-    retry = max(1, math.ceil(predicted if predicted > 0 else min(deadline, 5.0) or 1))
+    """503 saying what is full (`cause`) and, if it got that far, why waiting won't do.
+
+    Its `retry_after_s` is the prediction (at most `WAIT_HORIZON_S`), so a wait past what
+    the SDKs sleep says x-should-retry: false; the message says the Retry-After the headers
+    carry, never more than `RETRY_AFTER_MAX_S` (gateway/protocol.py)."""
+    if cause != "tenant_share":  # the pool is full: what it releases now is its drain
+        ps.pressed = True
+    retry = max(1, math.ceil(predicted if predicted > 0 else min(deadline, 5.0)))
+    wait = f"{predicted:.1f}s" if predicted < WAIT_HORIZON_S else f"over {WAIT_HORIZON_S:g}s"
     then = {
         None: "",
-        "predicted_wait": f", and the predicted wait ({predicted:.1f}s) exceeds the queue "
+        "predicted_wait": f", and the predicted wait ({wait}) exceeds the queue "
                           f"deadline ({deadline:g}s)",
         "queue_full": ", and its queue is full",
         "shed": ", and a request of higher priority took this one's place in the queue",
@@ -58,7 +76,8 @@ def overloaded(ps: PoolState, cause: str, predicted: float, deadline: float,
                          f"({deadline:g}s)",
     }[outcome]
     return Overloaded(f"Pool `{ps.name}` is at capacity: {_FULL.get(cause, cause)}{then}. "
-                      f"Retry after {retry}s.", retry_after_s=retry, reason=outcome or cause)
+                      f"Retry after {min(retry, math.ceil(RETRY_AFTER_MAX_S))}s.",
+                      retry_after_s=retry, reason=outcome or cause)
 
 
 async def wait(ps: PoolState, ask: Ask, cause: str, now: float,
@@ -71,6 +90,7 @@ async def wait(ps: PoolState, ask: Ask, cause: str, now: float,
     was made.
     """
     predicted, deadline = outlook(ps, ask)
+    ps.pressed = True
     loop = asyncio.get_running_loop()
     waiter = Waiter(ask.priority, ask.caller, ask.tokens, now, now + deadline,
                     loop.create_future(), ask=ask)

@@ -6,8 +6,6 @@ Engines answer errors in their own shapes (vLLM's and SGLang's `{"error": {...}}
 
 from __future__ import annotations
 
-import math
-
 import orjson
 
 from gateway.protocol import error_body, error_type, retry_headers
@@ -66,8 +64,9 @@ def engine_error_headers(status: int, headers: dict[str, str]) -> None:
         seconds = float(headers["retry-after"])
     except ValueError:
         return  # an HTTP date: passed on as it is
-    if math.isfinite(seconds) and seconds >= 0:
-        headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
+    # Whatever number the engine said (infinite, negative, not one): the gateway's headers
+    # for it, within their ceiling (gateway/protocol.py RETRY_AFTER_MAX_S).
+    headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
 
 
 def openai_error_events(chunk: bytes) -> bytes:
