@@ -42,7 +42,6 @@ from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.prefixes import PrefixPlacement, rule_of
 from gateway.admission.preview import explain
 from gateway.admission.queue import FairQueue
-from gateway.admission.rebook import rebook
 from gateway.admission.thresholds import thresholds_for
 from gateway.backends import Backend, Backends
 from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUnavailable
@@ -185,31 +184,14 @@ class Admission:
         return explain(ps, view, decide(view, _ask_view(ask)), ask,
                        self.backends.pools[ps.name], self.scraper, self.capacity, self.clock())
 
-    def rebook(self, ticket: Ticket, ask: Ask) -> asyncio.Future[None]:
-        """Book `ticket` again on `ask`, its prompt counted (gateway/admission/rebook.py)."""
-        ticket.resizing = asyncio.ensure_future(rebook(self, ticket, ask))
-        return ticket.resizing
-
     async def admit(self, ask: Ask) -> Ticket:
         """Admit `ask` now (a ticket), queue it until it fits (a ticket, later), or raise the
         refusal; whichever `decide` says."""
-        ticket = await self._admit(ask, True)
-        assert ticket is not None
-        return ticket
-
-    async def admit_at_once(self, ask: Ask) -> Ticket | None:
-        """`admit` where `decide` admits `ask` at once; None, and nothing counted, where it
-        would queue or refuse it (a prompt's bound, whose count is then waited for and asked
-        instead: gateway/pipeline.py)."""
-        return await self._admit(ask, False)
-
-    async def _admit(self, ask: Ask, settle: bool) -> Ticket | None:
         ps = self.pools[ask.pool]
         refused: dict[str, str] = {}
         view = self.view(ask)
         d = decide(view, _ask_view(ask))
-        if view.prefix is not None and not view.prefix.act and d.backend is not None \
-                and (settle or d.action == "admit"):  # else `admit` counts it, once
+        if view.prefix is not None and not view.prefix.act and d.backend is not None:
             self.prefix.shadow(view, ask, d.backend)
         while d.action == "admit":
             ticket, reason = await self._act(ps, ask, d, view)
@@ -222,8 +204,6 @@ class Admission:
             refused[d.backend] = reason
             view = self.view(ask, refused)
             d = decide(view, _ask_view(ask))
-        if not settle:
-            return None
         if d.action == "queue":
             return await self._wait(ps, ask, d.reason)
         if d.reason != "no_backend":
@@ -389,9 +369,6 @@ class Admission:
         ticket.watched = ps.live.add(progress, started, self.clock(), expected_tokens)
 
     async def release(self, ticket: Ticket, *, completed: bool = True) -> None:
-        if ticket.resizing is not None:
-            # Its rebooking's own failure is the pipeline's to log; the lease is then the bound's.
-            await asyncio.wait([ticket.resizing])
         ps = self.pools[ticket.pool]
         self.prefill_done(ticket)
         if ticket.tokens:

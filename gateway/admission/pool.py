@@ -68,9 +68,6 @@ class Ticket:
     tokens: int = 0  # counted in its backend's in-flight tokens until released
     held: Sequence[int] = ()  # its prompt blocks, held in its backend's prefix index till then
     holding: Sequence[int] = ()  # the blocks a hold still to run learns and holds (prefixes.py)
-    # Booked on a bound of its prompt and being booked again on its count (rebook.py):
-    # its release waits for that.
-    resizing: asyncio.Future[None] | None = None
 
 
 @dataclass(eq=False)
