@@ -220,10 +220,16 @@ def test_the_gateway_reads_vllms_real_metrics(
         before_engine = scrape(vllm_engine.url)
         before_gw = scrape(gw.url)
         # Ten at once straight to the engine, which decodes --max-num-seqs (8) and queues two.
+        # A burst the watch's 0.05 s samples missed (a busy machine) is sent again, twice at
+        # most: what is tested is the gateway's reading of what the page said.
         body = {"messages": HISTORY, "max_tokens": 96, "ignore_eos": True}
-        with Watch(vllm_engine.url, gw.url) as watch, ThreadPoolExecutor(10) as pool:
-            replies = list(pool.map(lambda _: chat(vllm_engine.url, body), range(10)))
-        assert [r.status for r in replies] == [200] * 10
+        for _ in range(3):
+            with Watch(vllm_engine.url, gw.url) as watch, ThreadPoolExecutor(10) as pool:
+                replies = list(pool.map(lambda _: chat(vllm_engine.url, body), range(10)))
+            assert [r.status for r in replies] == [200] * 10
+            if watch.engine["running"] == 8 and watch.engine["waiting"] >= 1 \
+                    and watch.gateway["running"] == 8 and watch.gateway["waiting"] >= 1:
+                break
         assert watch.engine["running"] == 8 and watch.engine["waiting"] >= 1, watch.engine
         assert watch.gateway["running"] == 8, watch.gateway
         assert watch.gateway["waiting"] >= 1, watch.gateway
