@@ -31,6 +31,9 @@ async def forward(sh: Shared, ctx: RequestContext) -> None:
     up = ctx.upstream = Upstream(ctx.inbound.request_id, p.endpoint, p.route.pool, body,
                                  bool(p.parsed.stream), headers, strip_usage,
                                  rt.admission.on_first_byte, ticket)
+    # `up` holds them until sent (the body until an engine answers, the headers until the
+    # answer starts): this frame lives as long as the stream and must not keep them.
+    del body, headers
     ctx.forward_start = asyncio.get_running_loop().time()
     forward_at = STAGE_CLOCK()
     if not up.stream:

@@ -478,10 +478,10 @@ class EnginePool:
     async def post(self, url: str, request_id: str, body: bytes, auth_header: str | None,
                    connect_timeout_s: float, read_timeout_s: float) -> Response:
         """The seam's `Client.post`, for a `url` it `serves`."""
-        target = self._targets.get((url, auth_header)) if self.serves(url, auth_header) \
-            else None
-        if target is None:
+        if not self.serves(url, auth_header):
             raise Unreachable(f"not a plain http:// URL: {url}", "not reachable over http")
+        target = self._targets[url, auth_header]
+        assert target is not None
         return await self.post_target(target, request_id, body, connect_timeout_s,
                                       read_timeout_s)
 
