@@ -20,15 +20,15 @@ import logging
 import random
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import uvicorn
 
 from gateway.serving.http_protocol import LINGER_S, Exchange, HttpProtocol
-from gateway.serving.server import ConnectionLimits, server_config
-from tests.servers import free_port
+from gateway.serving.server import ConnectionLimits
+from tests.in_process import served
 
 SEED = 43
 CASES = 300
@@ -254,22 +254,8 @@ async def exchange(port: int, pieces: list[bytes], then: str,
 
 # --- the run -----------------------------------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[tuple[uvicorn.Server, int]]:
-    port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, None, LIMITS))
-    server.config.lifespan = "off"
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-    try:
-        yield server, port
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+def serving() -> contextlib.AbstractAsyncContextManager[tuple[uvicorn.Server, int]]:
+    return served(app, LIMITS)
 
 
 @pytest.mark.anyio

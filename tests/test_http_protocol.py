@@ -18,12 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from gateway.api.disconnect import DISCONNECT_KEY
 from gateway.serving.http_protocol import LINGER_S, Exchange, HttpProtocol
-from gateway.serving.server import ConnectionLimits, server_config
-from tests.servers import free_port
+from gateway.serving.server import ConnectionLimits
+from tests.in_process import served as in_process
 
 BIG = 4 * 1024 * 1024
 
@@ -132,22 +131,10 @@ async def served() -> AsyncIterator[tuple[App, int]]:
 @contextlib.asynccontextmanager
 async def running(max_concurrency: int | None = None, limits: ConnectionLimits | None = None
                   ) -> AsyncIterator[tuple[App, int]]:
-    limits = limits or ConnectionLimits(keep_alive_timeout_s=5.0)
     app = App()
-    port = free_port()
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port, max_concurrency, limits))
-    server.config.lifespan = "off"
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-    try:
+    async with in_process(app, limits or ConnectionLimits(keep_alive_timeout_s=5.0),
+                          max_concurrency) as (_, port):
         yield app, port
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def connect(port: int, data: bytes = b""
