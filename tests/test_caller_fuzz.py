@@ -1,13 +1,14 @@
-"""The caller's side of the gateway's own HTTP/1.1 protocol (gateway/serving/http_protocol.py),
+"""The caller's side of the gateway's server (uvicorn's protocol inside gateway/serving/guard.py),
 fuzzed: request-smuggling shapes (Content-Length and Transfer-Encoding together, two lengths,
 `chunked` spelled oddly, obs-fold, bare CR and LF), malformed chunked bodies, truncated
 requests, pipelined garbage, requests that stop mid-head or mid-body and then close or stay
 silent. A few hundred cases from a fixed seed, many at once, against a small app served on
 loopback with short timeouts.
 
-What must hold (issue 43): no 500; every answer is whole HTTP/1.1, and an error the protocol
-writes is in OpenAI's shape and closes the connection; every connection is closed by the
-server within its bounds; afterwards no connection, task, exchange or protocol is left.
+What must hold (issue 43): no 500; every answer is whole HTTP/1.1, an error the guard or the
+app writes is in OpenAI's shape (uvicorn's own 400 for what it cannot parse is text), and each
+closes the connection; every connection is closed by the server within its bounds; afterwards
+no connection, task or guard is left.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.serving.http_protocol import LINGER_S, Exchange, HttpProtocol
+from gateway.protocol import error_body
+from gateway.serving.guard import LINGER_S, ConnectionGuard
 from gateway.serving.server import ConnectionLimits
 from tests.in_process import served
 
@@ -40,25 +42,36 @@ LIMITS = ConnectionLimits(max_header_bytes=8192, header_timeout_s=0.5, keep_aliv
 # a loaded machine.
 CLOSED_WITHIN_S = max(LIMITS.header_timeout_s, LIMITS.keep_alive_timeout_s) + 2.5
 
-# The answers the protocol writes itself; the app's are 200 and 401.
-PROTOCOL_ERRORS = {400, 408, 431}
+# The errors in OpenAI's shape: the guard's (408, 431) and the app's late body (408); the app's
+# others are 200 and 401; uvicorn's 400 is text.
+PROTOCOL_ERRORS = {408, 431}
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """/echo reads the whole body; /early answers without reading it (a bad key's 401);
-    anything else streams three chunks without reading it."""
+    """/echo reads the whole body within the body's time, else a 408 (as the gateway's
+    `server.body_timeout_s`); /early answers without reading it (a bad key's 401); anything
+    else streams three chunks without reading it."""
     if scope["type"] != "http":
         return
     path = scope["path"]
     if path == "/echo":
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            size += len(message.get("body", b""))
-            if not message.get("more_body"):
-                break
+        try:
+            async with asyncio.timeout(LIMITS.keep_alive_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    size += len(message.get("body", b""))
+                    if not message.get("more_body"):
+                        break
+        except TimeoutError:
+            late = error_body("late", "invalid_request_error", None, "request_timeout")
+            await send({"type": "http.response.start", "status": 408,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", b"%d" % len(late))]})
+            await send({"type": "http.response.body", "body": late})
+            return
         body = b"%d" % size
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"%d" % len(body))]})
@@ -212,9 +225,11 @@ def check(received: bytes) -> list[int]:
     """The statuses of the answers in `received`, each checked."""
     replies = answers(received)
     for i, (status, headers, body) in enumerate(replies):
-        assert status in PROTOCOL_ERRORS | {200, 401}, f"status {status}"
+        assert status in PROTOCOL_ERRORS | {200, 400, 401}, f"status {status}"
         if headers.get(b"connection") == b"close":
             assert i == len(replies) - 1, "an answer after `connection: close`"
+        if status == 400:
+            assert (headers[b"connection"], body) == (b"close", b"Invalid HTTP request received.")
         if status in PROTOCOL_ERRORS:
             assert headers[b"content-type"] == b"application/json"
             assert headers[b"connection"] == b"close"
@@ -281,12 +296,12 @@ async def test_no_request_shape_gets_a_500_leaves_a_connection_open_or_leaks(
                     except AssertionError as exc:
                         failures.append(f"{exc} <- {then} {b''.join(pieces)[:300]!r}")
 
-            with caplog.at_level(logging.ERROR, logger="gateway.http"):
+            with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
                 await asyncio.gather(*(one(*c) for c in cases))
             assert failures == [], "\n".join(failures[:10])
             # Each kind of answer came up: the cases reach every path they are meant to.
             assert {200, 401, 400, 408, 431, "closed"} <= seen.keys(), seen
-            assert [r.getMessage() for r in caplog.records if r.name == "gateway.http"] == []
+            assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
             # Callers that closed are seen at once; silent ones, still open on their side,
             # are closed by the server when its linger ends.
             for _ in range(int((LINGER_S + 2) / 0.05)):
@@ -297,7 +312,7 @@ async def test_no_request_shape_gets_a_500_leaves_a_connection_open_or_leaks(
             for writer in held:
                 writer.close()
             await asyncio.sleep(0.1)  # closed transports let go of their protocols
-            left = [o for o in gc.get_objects() if isinstance(o, (Exchange, HttpProtocol))]
+            left = [o for o in gc.get_objects() if isinstance(o, ConnectionGuard)]
             assert left == []
     finally:
         gc.enable()

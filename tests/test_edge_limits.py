@@ -191,7 +191,8 @@ def test_a_request_whose_body_never_comes_is_answered_and_closed(
     401) and the gateway's own 408 for a late body left the connection open for ever, past
     every timeout (the next request on it read as the old body); enough such connections held
     the server at its cap, every request 503. Now each answer says `connection: close` and
-    the connection closes; a malformed chunked body is a 400 at once, not a 408 30 s later."""
+    the connection closes; a malformed chunked body is uvicorn's 400 at once, not a 408 30 s
+    later."""
     key = "sk-edge"
     extra = f"""server: {{body_timeout_s: 1}}
 auth:
@@ -230,8 +231,11 @@ tenants:
             start = time.monotonic()
             reply = read_reply(s, deadline_s=limit)
             assert time.monotonic() - start < 1.0
-            assert_openai_error(reply, 400, "invalid_http_request")
-            assert parse(reply)[1]["connection"] == "close"
+            # uvicorn's own answer to what it cannot parse: text, not OpenAI's shape (what
+            # sends it is no SDK), and a close.
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"\r\nconnection: close" in head
+            assert body == b"Invalid HTTP request received."
             closed_after(s, limit)
         assert parse(send(gw.port, [b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"]))[0] == 200
 

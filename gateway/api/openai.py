@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.api.disconnect import DISCONNECT_KEY, DisconnectNotice
 from gateway.api.errors import http_error
 from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
@@ -54,11 +53,11 @@ def inbound(scope: Scope, endpoint: Endpoint | None) -> Inbound:
 class AsgiClient:
     """The caller of one request, over ASGI: what the pipeline's `Client` asks for."""
 
-    __slots__ = ("_cut", "_linger_s", "_notice", "_task", "_watcher", "gone", "headers",
-                 "receive", "rid", "send")
+    __slots__ = ("_cut", "_linger_s", "_task", "_watcher", "gone", "headers", "receive", "rid",
+                 "send")
 
     def __init__(self, receive: Receive, send: Send, headers: Mapping[bytes, bytes],
-                 request_id: str, notice: DisconnectNotice | None = None) -> None:
+                 request_id: str) -> None:
         self.receive = receive
         self.send = send
         self.headers = headers
@@ -67,7 +66,6 @@ class AsgiClient:
         # The request's task, known once it runs (`watch`): the app makes this client as it
         # is called, before the server has made the task.
         self._task: asyncio.Task[Any] | None = None
-        self._notice = notice
         self._watcher: asyncio.Future[Any] | None = None
         self._linger_s: float | None = None
         self._cut: asyncio.TimerHandle | None = None
@@ -123,13 +121,9 @@ class AsgiClient:
 
     def watch(self) -> None:
         """From here on (the body is read) a disconnect cancels the request's task at once,
-        so a caller leaving while it waits in the queue or on the engine frees its place.
-        The gateway's own server says so itself (gateway/serving/http_protocol.py); under any other
-        ASGI server a task waits on `receive()` for `http.disconnect`."""
+        so a caller leaving while it waits in the queue or on the engine frees its place: a
+        task waits on `receive()` for ASGI's `http.disconnect`."""
         self._task = asyncio.current_task()
-        if self._notice is not None:
-            self._notice.watch(self)
-            return
         self._watcher = asyncio.ensure_future(self.receive())
         self._watcher.add_done_callback(self._disconnected)
 
@@ -151,8 +145,6 @@ class AsgiClient:
         self._linger_s = seconds
 
     def detach(self) -> None:
-        if self._notice is not None:
-            self._notice.watch(None)
         if self._watcher is not None:
             self._watcher.remove_done_callback(self._disconnected)
             self._watcher.cancel()
@@ -203,8 +195,7 @@ class CompletionsEndpoint(PipelineEndpoint):
         # by every stream for the collector's sweep to walk (gateway/serving/heap.py).
         pipeline = self.pipeline()
         request = inbound(scope, self.endpoint)
-        client = AsgiClient(receive, send, request.headers, request.request_id,
-                            scope.get(DISCONNECT_KEY))
+        client = AsgiClient(receive, send, request.headers, request.request_id)
         return pipeline.serve(request, client, watch=True, gate=self.gate)
 
 

@@ -1,6 +1,6 @@
-"""Serving: uvicorn's `Server` (uvloop, the sockets, the lifespan, signals, graceful shutdown)
-over the gateway's own HTTP/1.1 protocol (gateway/serving/http_protocol.py: httptools' parser, the
-limits a public endpoint needs, few objects per open stream).
+"""Serving: uvicorn (uvloop, its httptools protocol, the sockets, the lifespan, signals,
+graceful shutdown), with the limits a public endpoint needs that it lacks kept around it
+(gateway/serving/guard.py).
 
 `run` serves the gateway, and the admin API on an address and port of its own when a port is
 given, from one event loop, with SIGHUP reloading the policy.
@@ -14,11 +14,11 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 
-from gateway.serving.http_protocol import HttpProtocol
+from gateway.serving.guard import GuardedApp, Limits
 
 # The GIL's hand-off interval: how long the loop may wait for it while a counting thread runs
 # Python (the template's render, piece lookups, block hashes). CPython's default, 5 ms, unless
@@ -34,26 +34,25 @@ class ConnectionLimits:
     max_header_bytes: int = 64 * 1024
     header_timeout_s: float = 10.0
     keep_alive_timeout_s: float = 75.0
+    max_body_bytes: int = 8 * 2**20
 
 
 def server_config(app: Any, host: str, port: int, max_concurrency: int | None,
-            limits: ConnectionLimits) -> uvicorn.Config:
-    protocol = type("GatewayHttpProtocol", (HttpProtocol,),
-                    {"__slots__": (), "max_header_bytes": limits.max_header_bytes,
-                     "header_timeout_s": limits.header_timeout_s,
-                     "keep_alive_timeout_s": limits.keep_alive_timeout_s})
+                  limits: ConnectionLimits) -> uvicorn.Config:
+    guard = Limits(limits.max_header_bytes, limits.header_timeout_s, limits.max_body_bytes,
+                   max_concurrency)
     return uvicorn.Config(
-        # ASGI 3 said, not guessed: the gateway's `__call__` hands back a coroutine rather
-        # than being a coroutine function.
-        app, host=host, port=port, loop="uvloop", http=protocol, lifespan="auto",
-        interface="asgi3",
+        GuardedApp(app, guard), host=host, port=port, loop="uvloop",
+        # Called as uvicorn calls a protocol class: the guard around uvicorn's own.
+        http=cast("type[asyncio.Protocol]", guard.protocol),
+        lifespan="auto", interface="asgi3", ws="none",
         log_level="warning", access_log=False, timeout_graceful_shutdown=5, backlog=4096,
-        # The gateway reads neither the caller's address nor its scheme, so uvicorn's
-        # X-Forwarded-* middleware was only a coroutine more held by every stream, and a scan
-        # of every request's headers.
+        # uvicorn arms its idle timer with call_later: a fraction of a second is kept.
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+        # The gateway reads neither the caller's address nor its scheme.
         proxy_headers=False,
-        # uvicorn's own cap is the backstop behind the gateway's OpenAI-shaped 503.
-        limit_concurrency=max_concurrency)
+        # Not uvicorn's own cap: it counts idle connections too (the guard counts requests).
+        limit_concurrency=None)
 
 
 def run(app: Any, host: str, port: int, *, limits: ConnectionLimits,

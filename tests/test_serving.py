@@ -1,11 +1,11 @@
-"""The gateway's own HTTP/1.1 protocol (gateway/serving/http_protocol.py) as ASGI apps see it:
-keep-alive, pipelining, Expect: 100-continue, HEAD, request bodies chunked and past the read
-buffer, flow control toward a slow reader, disconnects, apps that fail, and request bodies that
-never come, trickle or are malformed (issue 43).
+"""The gateway's server (uvicorn's httptools protocol inside gateway/serving/guard.py) as ASGI
+apps see it: keep-alive, pipelining, Expect: 100-continue, HEAD, request bodies chunked and past
+the read buffer, flow control toward a slow reader, disconnects, apps that fail, and request
+bodies that never come or are malformed (issue 43), all through the guard.
 
-A small ASGI app stands in for the gateway, served by uvicorn's `Server` over the protocol on a
-loopback socket in this process, and raw sockets talk to it: the point is the bytes on the wire.
-The gateway's own routes through the same protocol are tested everywhere else.
+A small ASGI app stands in for the gateway, served on a loopback socket in this process, and
+raw sockets talk to it: the point is the bytes on the wire. The head's limits (size, time) are
+tested against the gateway itself in tests/test_edge_limits.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from gateway.api.disconnect import DISCONNECT_KEY
-from gateway.serving.http_protocol import LINGER_S, Exchange, HttpProtocol
+from gateway.serving.guard import LINGER_S, ConnectionGuard
 from gateway.serving.server import ConnectionLimits
 from tests.in_process import served as in_process
 
@@ -31,7 +30,6 @@ class App:
     """Answers by path; remembers what it saw."""
 
     def __init__(self) -> None:
-        self.lost = asyncio.Event()
         self.saw_disconnect = asyncio.Event()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -81,28 +79,8 @@ class App:
                             "headers": [(b"content-length", b"4")]})
                 await send({"type": "http.response.body", "body": b"late"})
             return
-        if path == "/ignore":
-            # Neither reads the body nor answers, until told that the caller has gone.
-            gone = asyncio.Event()
-
-            class Gone:
-                def lost(self) -> None:
-                    gone.set()
-
-            scope[DISCONNECT_KEY].watch(Gone())
-            await gone.wait()
-            self.lost.set()
-            return
         if path == "/hold":
-            # A stream that lasts until its caller leaves, told by the notice.
-            notice: Exchange = scope[DISCONNECT_KEY]
-            app = self
-
-            class Listener:
-                def lost(self) -> None:
-                    app.lost.set()
-
-            notice.watch(Listener())
+            # A stream that lasts until its caller leaves, told through receive().
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
             while (await receive())["type"] != "http.disconnect":
@@ -232,13 +210,14 @@ async def test_head_gets_the_head_alone(served: tuple[App, int]) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("path", ["/boom", "/silent"])
-async def test_an_app_that_fails_before_answering_gets_a_500_in_openais_shape(
+async def test_an_app_that_fails_before_answering_gets_a_500(
         served: tuple[App, int], path: str) -> None:
+    # uvicorn's own answer (text): the gateway's routes answer their own errors in OpenAI's
+    # shape and do not fail this way.
     _, port = served
     reader, writer = await connect(port, get(path))
-    status, headers, body = await reply(reader)
+    status, headers, _ = await reply(reader)
     assert status == 500 and headers[b"connection"] == b"close"
-    assert json.loads(body)["error"]["type"] == "server_error"
     assert await asyncio.wait_for(reader.read(), 10) == b""  # and the connection is closed
     writer.close()
 
@@ -256,26 +235,13 @@ async def test_an_app_that_fails_mid_stream_cuts_the_connection(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nbad header\r\n\r\n"])
-async def test_a_malformed_request_gets_a_400_in_openais_shape(served: tuple[App, int],
-                                                               raw: bytes) -> None:
+async def test_a_malformed_request_gets_uvicorns_400(served: tuple[App, int],
+                                                     raw: bytes) -> None:
     _, port = served
     reader, writer = await connect(port, raw)
-    status, _, body = await reply(reader)
-    assert status == 400
-    assert json.loads(body)["error"]["code"] == "invalid_http_request"
-    writer.close()
-
-
-@pytest.mark.anyio
-async def test_an_upgrade_is_answered_as_http_1_1_and_the_connection_closed(
-        served: tuple[App, int]) -> None:
-    _, port = served
-    reader, writer = await connect(
-        port, get("/stream", b"connection: upgrade\r\nupgrade: websocket\r\n"))
     status, headers, body = await reply(reader)
-    assert (status, body) == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
-    assert headers[b"connection"] == b"close"
-    assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert (status, headers[b"connection"]) == (400, b"close")
+    assert body == b"Invalid HTTP request received."
     writer.close()
 
 
@@ -292,20 +258,18 @@ async def test_a_slow_reader_gets_every_byte(served: tuple[App, int]) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_caller_leaving_is_told_to_the_notice_and_to_receive(
-        served: tuple[App, int]) -> None:
+async def test_a_caller_leaving_is_told_to_receive(served: tuple[App, int]) -> None:
     app, port = served
     reader, writer = await connect(port, get("/hold"))
     await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 10)
     writer.close()
-    await asyncio.wait_for(app.lost.wait(), 10)
     await asyncio.wait_for(app.saw_disconnect.wait(), 10)
 
 
 @pytest.mark.anyio
-async def test_served_requests_leave_no_cycles_behind(served: tuple[App, int]) -> None:
+async def test_served_requests_leave_no_guard_behind(served: tuple[App, int]) -> None:
     # A full collection is the only way out for objects in a reference cycle, and every open
-    # stream waits for it: a request's objects must go by reference count when it ends.
+    # stream waits for it: a connection's guard must go by reference count when it closes.
     _, port = served
     gc.collect()
     gc.disable()
@@ -318,7 +282,7 @@ async def test_served_requests_leave_no_cycles_behind(served: tuple[App, int]) -
             writer.close()
             await writer.wait_closed()
         await asyncio.sleep(0.2)  # the server sees the connections go
-        left = [o for o in gc.get_objects() if isinstance(o, (Exchange, HttpProtocol))]
+        left = [o for o in gc.get_objects() if isinstance(o, ConnectionGuard)]
         assert left == []
     finally:
         gc.enable()
@@ -327,15 +291,18 @@ async def test_served_requests_leave_no_cycles_behind(served: tuple[App, int]) -
 @pytest.mark.anyio
 async def test_past_the_servers_own_cap_a_request_gets_a_503_in_openais_shape() -> None:
     # The backstop behind the gateway's own 503 (`server.max_concurrent_requests`): the
-    # server's cap on connections, twice that and more in `gateway serve`.
+    # server's cap on requests in flight, twice that and more in `gateway serve`.
     async with running(max_concurrency=2) as (_, port):
-        _, idle = await connect(port)  # one connection open, nothing asked on it
+        _, idle = await connect(port)  # idle connections do not count
+        holding = [await connect(port, get("/hold")) for _ in range(2)]
+        for r, _ in holding:
+            await asyncio.wait_for(r.readuntil(b"data: 1\n\n"), 10)
         reader, writer = await connect(port, get("/stream"))
         status, headers, body = await reply(reader)
         assert status == 503 and headers[b"connection"] == b"close"
         assert headers[b"retry-after"] == b"1" and headers[b"x-should-retry"] == b"true"
         assert json.loads(body)["error"]["code"] == "server_busy"
-        for w in (idle, writer):
+        for w in (idle, writer, *(w for _, w in holding)):
             w.close()
 
 
@@ -404,36 +371,6 @@ async def test_after_an_apps_408_for_a_late_body_the_connection_closes(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("path", ["/ignore", "/echo"])
-async def test_a_body_that_trickles_for_ever_gets_a_408_and_the_app_is_told(
-        path: str) -> None:
-    """A byte every 0.1 s held the connection and the app for as long as the caller liked,
-    where the app did not read (a body is the app's to time, but not every app does).
-    Now a request's body has the keep-alive timeout, from its head's end to its last byte:
-    then a 408 in OpenAI's shape, and the app waiting for the body or the caller is told."""
-    limits = ConnectionLimits(header_timeout_s=0.5, keep_alive_timeout_s=0.5)
-    async with running(limits=limits) as (app, port):
-        reader, writer = await connect(
-            port, b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" % path.encode())
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        answer = asyncio.ensure_future(reply(reader))
-        for _ in range(50):
-            if answer.done():
-                break
-            writer.write(b"a")
-            await asyncio.sleep(0.1)
-        status, headers, body = await answer
-        assert 0.4 < loop.time() - start < 2.0
-        assert (status, headers[b"connection"]) == (408, b"close")
-        assert json.loads(body)["error"]["code"] == "request_timeout"
-        assert await closed(reader) == b""
-        told = app.lost if path == "/ignore" else app.saw_disconnect
-        await asyncio.wait_for(told.wait(), 1)
-        writer.close()
-
-
-@pytest.mark.anyio
 @pytest.mark.parametrize("chunks", [
     b"ffffffffffffffffff\r\n",  # the chunk size overflows
     b"0x5\r\nhello\r\n0\r\n\r\n",  # a 0x prefix
@@ -445,17 +382,16 @@ async def test_a_body_that_trickles_for_ever_gets_a_408_and_the_app_is_told(
 async def test_a_malformed_chunked_body_gets_a_400_and_the_waiting_app_is_told(
         served: tuple[App, int], chunks: bytes) -> None:
     """The parser's error was swallowed while the app waited for the body: a 408 30 s later
-    from the gateway, the task and the connection held meanwhile. Now a 400 in OpenAI's shape
-    at once, the connection closed, and the app's `receive()` says the caller has gone."""
+    from the gateway, the task and the connection held meanwhile. Now uvicorn's 400 at once,
+    the connection closed, and the app's `receive()` says the caller has gone."""
     app, port = served
     reader, writer = await connect(
         port, b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
     await asyncio.sleep(0.1)  # the app waits in receive()
     writer.write(chunks)
     status, headers, body = await reply(reader)
-    assert (status, headers[b"connection"]) == (400, b"close")
-    error = json.loads(body)["error"]
-    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request")
+    assert (status, headers[b"connection"], body) == \
+        (400, b"close", b"Invalid HTTP request received.")
     await asyncio.wait_for(app.saw_disconnect.wait(), 1)
     assert await closed(reader) == b""
     writer.close()
