@@ -37,6 +37,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import admin, ops, passthrough
+from gateway.api.anthropic import CountTokensEndpoint, MessagesEndpoint
 from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
 from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
@@ -94,6 +95,12 @@ class GatewayApp:
             "/v1/completions": CompletionsEndpoint("completions", get, gate),
             "/v1/responses": CompletionsEndpoint("responses", get, gate),
             "/v1/embeddings": CompletionsEndpoint("embeddings", get, gate),
+            # Prefill work, counted and admitted as an embedding (gateway/pooling.py says why;
+            # /pooling is passed through: gateway/api/passthrough.py).
+            "/v1/rerank": CompletionsEndpoint("rerank", get, gate),
+            "/v1/score": CompletionsEndpoint("score", get, gate),
+            "/classify": CompletionsEndpoint("classify", get, gate),
+            "/v1/messages": MessagesEndpoint(get, gate),  # Anthropic's Messages API
         }
         routes = [
             # Reached only for other methods (the fast path takes POST): answers 405.
@@ -103,6 +110,7 @@ class GatewayApp:
             Route("/readyz", ops.readyz, methods=["GET"]),
             Route("/metrics", ops.metrics, methods=["GET"]),
             Route("/gateway/estimate", EstimateEndpoint(get), methods=["POST"]),
+            Route("/v1/messages/count_tokens", CountTokensEndpoint(get), methods=["POST"]),
             *passthrough.routes(),
         ]
         if admin_routes:
@@ -350,7 +358,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         slash = " (without the trailing slash)" if len(path) > 1 and path.endswith("/") else ""
         return error_response(404, f"Unknown path {path}. This gateway serves "
                               "/v1/chat/completions, /v1/completions, /v1/responses, "
-                              f"/v1/embeddings, /v1/models, /tokenize and /detokenize{slash}.",
+                              "/v1/embeddings, /v1/rerank, /v1/score, /classify, /pooling, "
+                              f"/v1/models, /tokenize and /detokenize{slash}.",
                               error_type(404), "not_found")
     if exc.status_code == 405:
         return error_response(405, f"Method {request.method} is not allowed on "

@@ -30,7 +30,9 @@ Probe = Callable[[str, str | None, float], Awaitable[tuple[bool, str]]]
 # Where an OpenAI-compatible engine (vLLM, SGLang) serves each endpoint the gateway forwards.
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                 "responses": "/v1/responses", "embeddings": "/v1/embeddings",
-                "tokenize": "/tokenize", "detokenize": "/detokenize"}
+                "tokenize": "/tokenize", "detokenize": "/detokenize",
+                "rerank": "/v1/rerank", "score": "/v1/score", "classify": "/classify",
+                "pooling": "/pooling", "messages": "/v1/messages"}
 
 
 @dataclass(eq=False)

@@ -9,6 +9,7 @@ from gateway.affinity import Held
 from gateway.cost import RequestCost
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
+from gateway.pooling import ClassifyRequest, RerankRequest, ScoreRequest
 from gateway.profiles import ModelProfile, get_model
 from gateway.prompts import Prompt
 from gateway.protocol import EmbeddingsRequest, Endpoint, ParsedRequest
@@ -117,4 +118,5 @@ def profile_of(model: ModelSpec) -> ModelProfile:
 
 
 def is_embedding(parsed: ParsedRequest) -> bool:
-    return isinstance(parsed, EmbeddingsRequest)
+    """Prefill work only (an embedding, a rerank, a score, a classification)."""
+    return isinstance(parsed, EmbeddingsRequest | RerankRequest | ScoreRequest | ClassifyRequest)

@@ -15,8 +15,10 @@ from typing import Annotated, Any, ClassVar, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.anthropic import CountTokensRequest, MessagesRequest
 from gateway.cost.templates import request_template_kwargs
 from gateway.errors import InvalidRequest, RateWindow
+from gateway.pooling import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
 from gateway.records import record
 
 
@@ -257,20 +259,29 @@ def _chat_of(req: ChatCompletionRequest) -> ChatRequest:
                        req.max_completion_tokens, req.n, req.tools)
 
 
-Endpoint = Literal["chat", "completions", "responses", "embeddings"]
+Endpoint = Literal["chat", "completions", "responses", "embeddings", "rerank", "score",
+                   "classify", "messages"]
 _MODELS: dict[str, type[BaseModel]] = {}  # filled below, once the classes exist
 # Arguments of the chat-template render that the gateway passes itself: a caller's
 # `chat_template_kwargs` setting one would clash with it (a TypeError, before: a 500).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
                                        "special_tokens"})
-ParsedRequest = ChatRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+ParsedRequest = (ChatRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+                 | PoolingRequest | MessagesRequest | CountTokensRequest)
+_MODELS.update(messages=MessagesRequest)  # Anthropic's Messages API (gateway/anthropic.py)
 _MODELS.update(chat=ChatCompletionRequest, completions=CompletionRequest,
-               responses=ResponsesRequest, embeddings=EmbeddingsRequest)
+               responses=ResponsesRequest, embeddings=EmbeddingsRequest,
+               rerank=RerankRequest, score=ScoreRequest, classify=ClassifyRequest)
+# Prefill work only, metered by the prompt alone: their usage has no output tokens.
+PREFILL_ENDPOINTS: frozenset[str] = frozenset({"embeddings", "rerank", "score", "classify"})
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
-                  max_items: int = 200_000) -> tuple[dict[str, Any], ParsedRequest]:
-    """Decode and validate a body; return the raw dict (to forward) and the typed view."""
+                  max_items: int = 200_000, model: type[BaseModel] | None = None
+                  ) -> tuple[dict[str, Any], ParsedRequest]:
+    """Decode and validate a body; return the raw dict (to forward) and the typed view.
+    `model`: validated by it rather than by the endpoint's (Anthropic's count_tokens body is a
+    Messages body without `max_tokens`)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -287,7 +298,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, max_depth: int = 32,
         if chat is not None:
             return data, chat
     try:
-        parsed = _MODELS[endpoint].model_validate(data)
+        parsed = (model or _MODELS[endpoint]).model_validate(data)
     except ValidationError as exc:
         raise _schema_error(exc) from None
     if isinstance(parsed, ChatCompletionRequest):
@@ -425,7 +436,8 @@ def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
 def endpoint_of(body: bytes) -> Endpoint:
     """Which endpoint's body `/gateway/estimate` was given (`?endpoint=` says it outright):
     `messages` is a chat; `prompt` a completion; `input` a Responses request when a field
-    only that API has is set or its items are objects, else an embedding."""
+    only that API has is set or its items are objects, else an embedding; `query` a rerank;
+    a score's sides a score (a classification says so with `?endpoint=classify`)."""
     try:
         probe = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -434,6 +446,10 @@ def endpoint_of(body: bytes) -> Endpoint:
         return "chat"
     if "prompt" in probe:
         return "completions"
+    if "query" in probe:
+        return "rerank"
+    if _SCORE_FIELDS.intersection(probe):
+        return "score"
     if "input" in probe:
         items = probe["input"]
         if _RESPONSES_ONLY.intersection(probe) or (
@@ -446,7 +462,9 @@ def endpoint_of(body: bytes) -> Endpoint:
 _RESPONSES_ONLY = frozenset({"instructions", "max_output_tokens", "previous_response_id",
                              "reasoning", "tools", "tool_choice", "store", "background",
                              "stream", "text", "truncation"})
-ENDPOINTS: frozenset[str] = frozenset({"chat", "completions", "responses", "embeddings"})
+_SCORE_FIELDS = frozenset({"text_1", "data_1", "queries"})
+ENDPOINTS: frozenset[str] = frozenset({"chat", "completions", "responses", "embeddings",
+                                       "rerank", "score", "classify", "messages"})
 
 
 def responses_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], bool]:

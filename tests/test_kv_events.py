@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import pytest
@@ -445,3 +445,74 @@ pools:
             assert predicted > 0 and predicted == cached
             assert metric(samples, "gateway_kv_events_precise", pool="default",
                           backend=chosen) == 1
+
+
+# --- the simulator's events, read as a router that types them as vLLM does -------------------
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64; uint64 decodes
+
+
+class TypedStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[U64]
+    parent_block_hash: U64 | None
+    token_ids: list[U32]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class TypedRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[U64]
+    medium: str | None = None
+
+
+class TypedCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class TypedBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[TypedStored | TypedRemoved | TypedCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_the_simulators_token_ids_are_u32_of_the_models_vocabulary(tmp_path: Path) -> None:
+    """Generated tokens and a prompt the simulator knows by length only (no tokenizer) are
+    published with ids a real engine could have sampled: a decoder that types token ids as
+    u32 (as Rust routers consuming vLLM's events do) reads every batch, and each id is inside
+    the model's vocabulary (llama-3-8b: 128,256)."""
+    pub = free_port()
+    args = loadtest_cmd("sim", "--model", "llama-3-8b", "--tp", "1", "--num-gpu-blocks", "256",
+                        "--block-size", "16", "--port", "{port}", "--tokenizer", "none",
+                        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}")
+    decoder = msgspec.msgpack.Decoder(TypedBatch)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with run_server(args, "/health", tmp_path, "sim") as sim:
+            sub.connect(f"tcp://127.0.0.1:{pub}")
+            time.sleep(0.3)  # the subscription reaches the PUB socket
+            for i in range(3):
+                reply = http("POST", sim.url + "/v1/completions", {
+                    "model": "llama-3-8b", "prompt": f"Request {i}: " + "a b c d " * 20,
+                    "max_tokens": 48, "ignore_eos": True})
+                assert reply.status == 200, reply.body
+            stored: list[TypedStored] = []
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and sum(len(e.block_hashes) for e in stored) < 9:
+                if not sub.poll(200):
+                    continue
+                _topic, _seq, payload = sub.recv_multipart()
+                batch = decoder.decode(payload)  # raises on any id past u32
+                stored += [e for e in batch.events if isinstance(e, TypedStored)]
+    finally:
+        sub.close(0)
+        context.term()
+    assert sum(len(e.block_hashes) for e in stored) >= 9  # prompt and generated blocks
+    ids = [t for e in stored for t in e.token_ids]
+    assert all(len(e.token_ids) == 16 * len(e.block_hashes) for e in stored)
+    assert max(ids) < 128_256 and len(set(ids)) > len(ids) // 2

@@ -151,6 +151,77 @@ def test_sdk_streaming_and_not_usage_charged_as_vllm_reports(
         quiet(gw.url)
 
 
+def test_responses_api_tokenize_and_stream_usage_through_the_gateway(
+        vllm_engine: VllmServer, start_gateway: StartGateway) -> None:
+    """With the official SDK: the Responses API (streamed and not) counted as vLLM counts its
+    input; /tokenize passed to vLLM; a chat stream's usage, asked for or not, is what the
+    gateway charged."""
+    with start_gateway(vllm_policy([vllm_engine.url], vllm_engine.model_dir)) as gw:
+        client = openai_client(gw.url)
+        raw = client.responses.with_raw_response.create(
+            model=SERVED_NAME, instructions="You are terse.", input=PARAGRAPH,
+            max_output_tokens=8)
+        made = raw.parse()
+        counted = int(raw.headers["x-gateway-prompt-tokens"])
+        assert made.usage is not None and made.usage.input_tokens == counted
+        assert 1 <= made.usage.output_tokens <= 8
+        completed = None
+        with client.responses.stream(model=SERVED_NAME, instructions="You are terse.",
+                                     input=PARAGRAPH, max_output_tokens=8) as stream:
+            for event in stream:
+                if event.type == "response.completed":
+                    completed = event.response
+        assert completed is not None and completed.usage is not None
+        assert completed.usage.input_tokens == counted
+
+        # /tokenize reaches vLLM: its count of the rendered chat is the gateway's.
+        messages: Any = [SYSTEM, {"role": "user", "content": PARAGRAPH}]
+        tokenized = http("POST", gw.url + "/tokenize", {"model": SERVED_NAME,
+                                                        "messages": messages})
+        assert tokenized.status == 200, tokenized
+        assert tokenized.headers["x-gateway-backend"] == "v0"
+        asked = chat(gw.url, {"messages": messages})
+        assert tokenized.json()["count"] == int(asked.headers["x-gateway-prompt-tokens"])
+
+        # Streams with usage asked and not: the gateway asks vLLM for it either way, strips it
+        # where not asked, and charges what vLLM reported.
+        with client.chat.completions.with_streaming_response.create(
+                model=SERVED_NAME, messages=messages, max_tokens=10, stream=True,
+                stream_options={"include_usage": True}) as resp:
+            chunks = list(resp.parse())
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == tokenized.json()["count"]
+        plain = list(client.chat.completions.create(model=SERVED_NAME, messages=messages,
+                                                    max_tokens=10, stream=True))
+        assert all(c.usage is None for c in plain)
+        streamed = sum(1 for c in plain if c.choices and c.choices[0].delta.content)
+        outputs = [made.usage.output_tokens, completed.usage.output_tokens,
+                   asked.json()["usage"]["completion_tokens"], usage.completion_tokens]
+        prompts = 2 * counted + 3 * usage.prompt_tokens
+        s = poll_metric(gw.url, "gateway_tokens_total",
+                        lambda v: v >= prompts + sum(outputs) + streamed)
+        assert metric(s, "gateway_tokens_total", kind="input") + metric(
+            s, "gateway_tokens_total", kind="cached") == prompts
+        # The plain stream's output: vLLM's usage the caller never saw, one token an event.
+        assert metric(s, "gateway_tokens_total", kind="output") == sum(outputs) + streamed
+        quiet(gw.url)
+
+
+def test_a_pooling_endpoint_this_vllm_does_not_serve_is_its_refusal_in_openais_shape(
+        vllm_engine: VllmServer, start_gateway: StartGateway) -> None:
+    """The tiny model generates and pools nothing: vLLM registers no /v1/rerank for it (a
+    reranker would need a second vLLM, too slow here; tests/test_pooling.py serves them from
+    the simulator). The caller gets vLLM's 404 in OpenAI's shape, and nothing is charged."""
+    with start_gateway(vllm_policy([vllm_engine.url], vllm_engine.model_dir)) as gw:
+        reply = http("POST", gw.url + "/v1/rerank", {"model": SERVED_NAME, "query": "q",
+                                                     "documents": ["a", "b"]})
+        assert reply.status == 404, reply
+        error = reply.json()["error"]
+        assert error["type"] == "not_found_error", error
+        s = quiet(gw.url)
+        assert metric(s, "gateway_tokens_total", kind="input") == 0
+
+
 def _grown_by(start: float, by: float) -> Callable[[float], bool]:
     return lambda value: value - start == by
 
@@ -471,3 +542,97 @@ def test_precise_mode_follows_vllms_own_kv_events(
             time.sleep(0.5)
             assert _conversation(gw.url, 1, session) == [(0, 0)]
             quiet(gw.url)
+
+
+ANTHROPIC_SYSTEM: Any = [{"type": "text", "text": "You are terse."}]
+ANTHROPIC_TOOLS: Any = [{"name": "get_weather", "description": "The weather in a city now",
+                         "input_schema": {"type": "object",
+                                          "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}]
+ANTHROPIC_CASES: dict[str, dict[str, Any]] = {
+    "system blocks and history": {"system": ANTHROPIC_SYSTEM, "messages": [
+        {"role": "user", "content": "Name three rivers of Europe."},
+        {"role": "assistant", "content": "The Danube, the Rhine and the Loire."},
+        {"role": "user", "content": [{"type": "text", "text": "Which is the longest?"}]}]},
+    "a tool call and its result, tools listed": {
+        "system": ANTHROPIC_SYSTEM, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "none"},
+        "messages": [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, clear"},
+                {"type": "text", "text": "And so?"}]}]},
+    "an inline system message": {"system": "You are terse.", "messages": [
+        {"role": "user", "content": "Hello."},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Name a river."}]},
+}
+
+
+def anthropic_prompt(usage: Any) -> int:
+    """vLLM's Anthropic usage leaves what its prefix cache read and wrote out of input_tokens."""
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0)
+               + (usage.cache_creation_input_tokens or 0))
+
+
+def test_anthropic_messages_counted_as_vllm_counts_them(
+        vllm_engine: VllmServer, start_gateway: StartGateway) -> None:
+    """/v1/messages and /v1/messages/count_tokens through the gateway with the `anthropic`
+    SDK: the gateway's count is vLLM's own count_tokens and the prompt of vLLM's usage
+    (input_tokens plus what its prefix cache served), for each shape vLLM converts."""
+    import anthropic
+
+    with start_gateway(vllm_policy([vllm_engine.url], vllm_engine.model_dir)) as gw:
+        sdk = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
+                                  timeout=60)
+        counts: dict[str, tuple[int, int, int, int]] = {}
+        for name, body in ANTHROPIC_CASES.items():
+            ours = sdk.messages.count_tokens(model=SERVED_NAME, **body).input_tokens
+            engine = http("POST", vllm_engine.url + "/v1/messages/count_tokens",
+                          {"model": SERVED_NAME, **body})
+            assert engine.status == 200, (name, engine)
+            raw = sdk.messages.with_raw_response.create(model=SERVED_NAME, max_tokens=4,
+                                                        **body)
+            usage = raw.parse().usage
+            counts[name] = (ours, engine.json()["input_tokens"],
+                            int(raw.headers["x-gateway-prompt-tokens"]),
+                            anthropic_prompt(usage))
+        assert {n: c for n, c in counts.items() if len(set(c)) != 1} == {}, counts
+        quiet(gw.url)
+
+
+def test_anthropic_sdk_streaming_and_not_through_the_gateway_to_vllm(
+        vllm_engine: VllmServer, start_gateway: StartGateway) -> None:
+    import anthropic
+
+    messages: Any = [{"role": "user", "content": PARAGRAPH * 3}]
+    with start_gateway(vllm_policy([vllm_engine.url], vllm_engine.model_dir)) as gw:
+        sdk = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0,
+                                  timeout=60)
+        raw = sdk.messages.with_raw_response.create(model=SERVED_NAME, max_tokens=12,
+                                                    system="You are terse.", messages=messages)
+        done = raw.parse()
+        counted = int(raw.headers["x-gateway-prompt-tokens"])
+        assert done.type == "message" and done.content and 1 <= done.usage.output_tokens <= 12
+        assert anthropic_prompt(done.usage) == counted
+        with sdk.messages.stream(model=SERVED_NAME, max_tokens=20, system="You are terse.",
+                                 messages=messages) as stream:
+            assert stream.response.headers["x-gateway-decision"] == "admitted"
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert text and 1 <= final.usage.output_tokens <= 20
+        assert anthropic_prompt(final.usage) == counted
+        usages = [done.usage, final.usage]
+        s = poll_metric(gw.url, "gateway_tokens_total", lambda v: v >= 2 * counted + sum(
+            u.output_tokens for u in usages))
+        assert metric(s, "gateway_tokens_total", kind="output") == sum(
+            u.output_tokens for u in usages)
+        with pytest.raises(anthropic.BadRequestError) as bad:  # vLLM's own 400, reshaped
+            sdk.messages.create(model=SERVED_NAME, max_tokens=4, tools=ANTHROPIC_TOOLS,
+                                messages=messages)  # tool_choice auto: needs a tool parser
+        assert bad.value.body["type"] == "error"  # type: ignore[index]
+        assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        quiet(gw.url)

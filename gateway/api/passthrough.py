@@ -4,6 +4,9 @@
 - `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the backend that stored the
   response (gateway/affinity.py); 404 when the gateway does not know it.
 - `POST /tokenize`, `POST /detokenize`: to a healthy backend of the model's pool.
+- `POST /pooling`: vLLM's generic pooling endpoint, likewise. Not admitted as the other
+  pooling endpoints are (gateway/pooling.py): what it costs depends on its `task` and, for
+  IO-processor plugins, on `data` of the plugin's own shape, which no tokenizer counts.
 
 Nothing here is admitted or metered (no KV is held, no token generated), but the caller is
 identified exactly as for a completion (401/403 alike) and the body bounded the same way.
@@ -41,7 +44,8 @@ def routes() -> list[Route]:
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/detokenize", tokenize, methods=["POST"])]
+            Route("/detokenize", tokenize, methods=["POST"]),
+            Route("/pooling", tokenize, methods=["POST"])]
 
 
 def _runtime(request: Request) -> Runtime:
@@ -99,9 +103,13 @@ async def _stored(request: Request, method: str, suffix: str) -> Response:
         return _error(err)
 
 
+# Passed to a backend of the model's pool: the path -> the engine endpoint (backends.py).
+_MODEL_ROUTED = {"/tokenize": "tokenize", "/detokenize": "detokenize", "/pooling": "pooling"}
+
+
 async def tokenize(request: Request) -> Response:
     rt = _runtime(request)
-    endpoint = "tokenize" if request.url.path == "/tokenize" else "detokenize"
+    endpoint = _MODEL_ROUTED[request.url.path]
     try:
         tenant = rt.tenants.identify(
             request.headers.get("authorization", "").encode("latin-1") or None)

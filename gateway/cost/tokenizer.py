@@ -134,6 +134,11 @@ class HFTokenizer:
                  "rank encoder cannot do")
 
     @property
+    def vocab_size(self) -> int:
+        """Ids of the vocabulary proper, without the added (special) tokens."""
+        return int(self._rust.get_vocab_size(with_added_tokens=False))
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._compiled)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.protocol import PREFILL_ENDPOINTS
 from gateway.upstream.forward import Relay
 
 
@@ -36,7 +37,7 @@ def usage_of(endpoint: str, stream: bool, estimated_prompt: int,
         return None
     if relay.prompt_tokens is not None and relay.completion_tokens is not None:
         return relay.prompt_tokens, relay.cached_tokens or 0, relay.completion_tokens
-    if relay.prompt_tokens is not None and endpoint == "embeddings":
+    if relay.prompt_tokens is not None and endpoint in PREFILL_ENDPOINTS:
         return relay.prompt_tokens, relay.cached_tokens or 0, 0  # its usage has no output
     if not stream or relay.first_byte is None:
         return None

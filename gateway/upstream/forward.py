@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Send
 
+from gateway import anthropic
 from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from gateway.protocol import error_body, sse_error_frame
@@ -54,8 +55,13 @@ log = logging.getLogger("gateway.upstream")
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
 # A Responses stream opens with events sent before any token (response.created, ...): its
 # first token, and each token after, is a delta event (text, reasoning or tool arguments).
-_FIRST_TOKEN: dict[str, bytes] = {"responses": b'.delta"'}
-_EVENTS: dict[str, bytes] = {"responses": b'.delta"'}
+# Anthropic's Messages stream (message_start, content_block_start, ...) likewise: its tokens
+# are content_block_delta events.
+_FIRST_TOKEN: dict[str, bytes] = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
+_EVENTS: dict[str, bytes] = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
+# Endpoints whose callers read errors in Anthropic's shape (gateway/anthropic.py): an engine's
+# error body and a broken stream's error event are written in it.
+_ANTHROPIC_ERRORS = frozenset({"messages"})
 
 # Engine response headers worth passing on; everything else (hop-by-hop, server, date,
 # content-length of a body we re-frame) is the gateway's own business.
@@ -305,6 +311,8 @@ class Forwarder:
                 # The engine's refusal in the gateway's shape: its status and message kept,
                 # OpenAI's `type` and a string `code` instead of vLLM's (BadRequestError, 400).
                 body = errs.engine_error(resp.status, body, backend.name)
+                if up.endpoint in _ANTHROPIC_ERRORS:
+                    body = anthropic.reshaped_error(resp.status, body)
                 errs.engine_error_headers(resp.status, ex.upstream_headers)
             ex.first_byte = ex.finished = self.loop.time()
             if up.on_first_byte is not None and up.ticket is not None:
@@ -370,7 +378,9 @@ class Forwarder:
                     _note_usage(ex, usage)
                     if not chunk:
                         continue
-                if has_error(chunk):  # an engine's error event: OpenAI's shape too
+                if has_error(chunk) and up.endpoint not in _ANTHROPIC_ERRORS:
+                    # An engine's error event: OpenAI's shape too (vLLM's Messages stream
+                    # writes Anthropic's already).
                     chunk = errs.openai_error_events(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (EngineFailure, EventTooLarge) as exc:
@@ -380,9 +390,10 @@ class Forwarder:
             ex.error = f"upstream {kind}: {describe(exc)}"
             ex.status = 502
             resp.close()  # do not return a half-read connection to the pool
+            message = f"The engine `{backend.name}` broke off the stream ({public})."
             await send({"type": "http.response.body", "more_body": False,
-                        "body": sse_error_frame(
-                            f"The engine `{backend.name}` broke off the stream ({public}).")})
+                        "body": anthropic.error_event(message)
+                        if up.endpoint in _ANTHROPIC_ERRORS else sse_error_frame(message)})
         else:
             self.backends.record_success(backend)
             # An engine that ended its last event otherwise than with a blank line: relayed

@@ -11,8 +11,9 @@ when its stream ends.
 
 Usage is read by parsing the event's (or the non-streamed body's) JSON, compact or not: the
 fields are `prompt_tokens`/`completion_tokens` (chat, completions, embeddings) or
-`input_tokens`/`output_tokens` (the Responses API, whose usage sits in `response`), and the
-cached prompt tokens under `*_tokens_details.cached_tokens`.
+`input_tokens`/`output_tokens` (the Responses API, whose usage sits in `response`; Anthropic's
+Messages API, in `message_start`'s `message` and in `message_delta`), and the cached prompt
+tokens under `*_tokens_details.cached_tokens` (Anthropic's: `cache_read_input_tokens`).
 """
 
 from __future__ import annotations
@@ -146,14 +147,27 @@ def _usage_of(data: object) -> Usage | None:
         return None
     usage = data.get("usage")
     if not isinstance(usage, dict):
-        response = data.get("response")  # a Responses API event: the response inside it
+        # A Responses API event: the response inside it; Anthropic's message_start: the message.
+        response = data.get("response") or data.get("message")
         usage = response.get("usage") if isinstance(response, dict) else None
         if not isinstance(usage, dict):
             return None
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        return _anthropic_usage(usage)
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     return Usage(_count(usage.get("prompt_tokens", usage.get("input_tokens"))),
                  _count(usage.get("completion_tokens", usage.get("output_tokens"))),
                  _count(details.get("cached_tokens")) if isinstance(details, dict) else None)
+
+
+def _anthropic_usage(usage: dict[str, object]) -> Usage:
+    """Anthropic's usage: `input_tokens` leaves out what was read from or written to the
+    prompt cache (vLLM 0.32 reports its prefix-cache hit as cache_read_input_tokens); the
+    prompt is all three."""
+    parts = [_count(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens",
+                                            "cache_creation_input_tokens")]
+    prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+    return Usage(prompt, _count(usage.get("output_tokens")), parts[1])
 
 
 def _count(value: object) -> int | None:

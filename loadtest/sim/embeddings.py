@@ -28,7 +28,8 @@ import struct
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -100,67 +101,93 @@ class _Progress:
         event.set()
 
 
+# A prefill's prompt tokens and the hashes of its full blocks.
+Measured = tuple[int, list[int]]
+
+
+P = TypeVar("P")
+
+
+async def serve_prefills(
+        app: SimApp, receive: Receive, send: Send, parse: Callable[[dict[str, Any]], P],
+        measure: Callable[[P], Awaitable[tuple[list[Measured], Callable[[], bytes]]]]) -> None:
+    """One pooling request (an embedding, a rerank, a score, a classification): its body
+    parsed, the fault drawn, its prompts measured and entered into the engine as prefills, and
+    once all are done the answer `measure` built for them, or the error in vLLM's shape."""
+    arrival = asyncio.get_running_loop().time()
+    raw = await read_body(receive)
+    entered: list[SimRequest] = []
+    progress = _Progress()
+    try:
+        parsed = parse(parse_json(raw))
+        faults = app.faults.draw()
+        if faults.fail:
+            raise ApiError(500, "Simulated engine failure (fault injection: fail_rate).")
+        measured, body = await measure(parsed)
+        request_id = uuid.uuid4().hex
+        for index, (tokens, hashes) in enumerate(measured):
+            # max_tokens 1, ignore_eos: the request ends with the token after its prefill.
+            entered.append(await app.enter(arrival, f"{request_id}-{index}", tokens,
+                                           hashes, 1, 0, True, progress.notify))
+    except ApiError as exc:
+        for request in entered:
+            app.release(request)
+        await respond(send, exc.status, exc.body())
+        return
+
+    def gone() -> None:
+        for request in entered:
+            app.release(request)
+        progress.notify()
+
+    watcher = asyncio.create_task(watch_disconnect(receive, gone))
+    try:
+        while not all(r.finished for r in entered):
+            await progress.changed.wait()
+        if any(r.status is Status.ABORTED for r in entered):
+            return  # the client left, or the engine "crashed"
+        answer = body()
+        if faults.stall_after is not None:
+            await asyncio.sleep(faults.stall_s)
+        if faults.drop_after is not None:
+            await respond_cut(send, answer)
+            return
+        await respond(send, 200, answer)
+    except OSError:
+        pass
+    finally:
+        watcher.cancel()
+        for request in entered:
+            app.release(request)
+
+
 class Embeddings:
     def __init__(self, app: SimApp) -> None:
         self.app = app
         self._specials: int | None = None
 
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
-        app = self.app
-        arrival = asyncio.get_running_loop().time()
-        raw = await read_body(receive)
-        entered: list[SimRequest] = []
-        progress = _Progress()
-        try:
-            parsed = parse_embeddings(parse_json(raw))
-            check_model(parsed.model, app.spec.served_model_name)
-            faults = app.faults.draw()
-            if faults.fail:
-                raise ApiError(500, "Simulated engine failure (fault injection: fail_rate).")
-            dim = app.options.embedding_dim
-            if parsed.dimensions is not None and not 1 <= parsed.dimensions <= dim:
-                raise bad_request(
-                    "Dimensions must be greater than 0" if parsed.dimensions < 1 else
-                    f"dimensions: the simulated model's embeddings have {dim} dimensions, "
-                    f"got {parsed.dimensions}", "dimensions")
-            measured = await self._measure(parsed)
-            embedding_id = f"embd-{uuid.uuid4().hex}"
-            for index, (tokens, hashes, _key) in enumerate(measured):
-                # max_tokens 1, ignore_eos: the request ends with the token after its prefill.
-                entered.append(await app.enter(arrival, f"{embedding_id}-{index}", tokens,
-                                               hashes, 1, 0, True, progress.notify))
-        except ApiError as exc:
-            for request in entered:
-                app.release(request)
-            await respond(send, exc.status, exc.body())
-            return
+        await serve_prefills(self.app, receive, send, self._parse, self._measured)
 
-        def gone() -> None:
-            for request in entered:
-                app.release(request)
-            progress.notify()
+    def _parse(self, body: dict[str, Any]) -> EmbeddingsParsed:
+        parsed = parse_embeddings(body)
+        check_model(parsed.model, self.app.spec.served_model_name)
+        return parsed
 
-        watcher = asyncio.create_task(watch_disconnect(receive, gone))
-        try:
-            while not all(r.finished for r in entered):
-                await progress.changed.wait()
-            if any(r.status is Status.ABORTED for r in entered):
-                return  # the client left, or the engine "crashed"
-            body = self._body(parsed, embedding_id, measured)
-            if faults.stall_after is not None:
-                await asyncio.sleep(faults.stall_s)
-            if faults.drop_after is not None:
-                await respond_cut(send, body)
-                return
-            await respond(send, 200, body)
-        except OSError:
-            pass
-        finally:
-            watcher.cancel()
-            for request in entered:
-                app.release(request)
+    async def _measured(self, parsed: EmbeddingsParsed
+                        ) -> tuple[list[Measured], Callable[[], bytes]]:
+        dim = self.app.options.embedding_dim
+        if parsed.dimensions is not None and not 1 <= parsed.dimensions <= dim:
+            raise bad_request(
+                "Dimensions must be greater than 0" if parsed.dimensions < 1 else
+                f"dimensions: the simulated model's embeddings have {dim} dimensions, "
+                f"got {parsed.dimensions}", "dimensions")
+        measured = await self.measure(parsed)
+        embedding_id = f"embd-{uuid.uuid4().hex}"
+        return ([(tokens, hashes) for tokens, hashes, _ in measured],
+                lambda: self._body(parsed, embedding_id, measured))
 
-    async def _measure(self, parsed: EmbeddingsParsed) -> list[tuple[int, list[int], bytes]]:
+    async def measure(self, parsed: EmbeddingsParsed) -> list[tuple[int, list[int], bytes]]:
         """(prompt tokens, block hashes, vector key) of each prompt; checks their lengths."""
         app = self.app
         counter = app.counter

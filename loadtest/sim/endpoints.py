@@ -2,7 +2,9 @@
 
     POST /v1/responses, GET /v1/responses/{id}, POST /v1/responses/{id}/cancel   responses.py
     POST /v1/embeddings                                                        embeddings.py
+    POST /v1/rerank, POST /v1/score, POST /classify, POST /pooling             pooling.py
     POST /tokenize, POST /detokenize                                           tokenization.py
+    POST /v1/messages, POST /v1/messages/count_tokens                          messages.py
 
 Image parts of chat and Responses messages cost `image_tokens` prompt tokens each
 (multimodal.py).
@@ -18,6 +20,8 @@ import orjson
 from loadtest.sim.asgi import Handler, Receive, Scope, Send, respond
 from loadtest.sim.config import ConfigError
 from loadtest.sim.embeddings import Embeddings
+from loadtest.sim.messages import Messages
+from loadtest.sim.pooling import Pooling
 from loadtest.sim.responses import RESPONSES_PREFIX, Responses
 from loadtest.sim.tokenization import Tokenization
 
@@ -61,10 +65,18 @@ class Endpoints:
         self.responses = Responses(app)
         self.embeddings = Embeddings(app)
         self.tokenization = Tokenization(app)
+        self.messages = Messages(app)
+        self.pooling = Pooling(app, self.embeddings.measure)
         self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/responses"): self.responses.create,
             ("POST", "/v1/embeddings"): self.embeddings.create,
+            ("POST", "/v1/rerank"): self.pooling.rerank,
+            ("POST", "/v1/score"): self.pooling.score,
+            ("POST", "/classify"): self.pooling.classify,
+            ("POST", "/pooling"): self.pooling.pooling,
             ("POST", "/tokenize"): self.tokenization.tokenize,
+            ("POST", "/v1/messages"): self.messages.create,
+            ("POST", "/v1/messages/count_tokens"): self.messages.count_tokens,
             ("POST", "/detokenize"): self.tokenization.detokenize,
         }
 

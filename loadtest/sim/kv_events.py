@@ -12,9 +12,10 @@ What vLLM does (vllm/distributed/kv_events.py, vllm/v1/core/block_pool.py), done
   DEALER gets `["", seq, payload]` for each kept batch from `start`, then `["", -1, ""]`.
 
 Hashes are the simulator's own (unsigned 64-bit, as vLLM's int hashes); token ids are the
-prompt's where the request brought them (token-id prompts, chat counted exactly), and ids no
-vocabulary has elsewhere (generated tokens, prompts known only by length), which no prompt
-will match.
+prompt's where the request brought them (token-id prompts, chat counted exactly), and elsewhere
+(generated tokens, prompts known only by length) ids of the model's vocabulary drawn from the
+request and the block (scheduler.py `synthetic_ids`), which no other prompt will match: every
+id fits the u32 that routers consuming vLLM's events type them as.
 """
 
 from __future__ import annotations

@@ -18,11 +18,23 @@ samples one token; a request that reaches its target length finishes and frees i
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loadtest.sim.kvcache import KVCacheManager
+
+# The vocabulary synthetic token ids are drawn from where the engine names none: inside every
+# common model's (Llama 2's 32,000 is the smallest).
+SYNTHETIC_VOCAB = 32_000
+
+
+def synthetic_ids(salt: int, index: int, count: int, vocab_size: int) -> list[int]:
+    """`count` token ids in [0, vocab_size), a function of (salt, index) alone."""
+    digest = hashlib.blake2b(b"%d:%d" % (salt, index), digest_size=4 * count).digest()
+    return [int.from_bytes(digest[i:i + 4], "little") % vocab_size
+            for i in range(0, 4 * count, 4)]
 
 
 class Status(enum.Enum):
@@ -44,6 +56,7 @@ class SimRequest:
     prompt_hashes: Sequence[int] = ()  # hashes of the prompt's full blocks, in order
     salt: int = 0  # makes the hashes of blocks past the prompt unique to this request
     prompt_ids: Sequence[int] = ()  # the prompt's token ids, when known (for KV events)
+    vocab_size: int = SYNTHETIC_VOCAB  # where the ids of unknown tokens are drawn from
     on_progress: Callable[[SimRequest], None] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -75,13 +88,14 @@ class SimRequest:
 
     def block_tokens(self, index: int, block_size: int = 16) -> Sequence[int]:
         """Token ids of full block `index` (a KV event carries them). Where the ids are not
-        known (generated tokens, a prompt known by length only): ids past any vocabulary,
-        unique to this request, so nothing re-hashed from them matches another prompt."""
+        known (generated tokens, a prompt known by length only): ids of the vocabulary, as a
+        real engine's, drawn from the request's salt and the block's index, so that a router
+        that types ids as the engine does (u32) can read them, and nothing re-hashed from them
+        matches another prompt (16 draws from a vocabulary of tens of thousands)."""
         start = index * block_size
         if start + block_size <= len(self.prompt_ids):
             return self.prompt_ids[start:start + block_size]
-        base = (1 << 32) + (self.salt * 1_000_003 + index) * block_size
-        return range(base, base + block_size)
+        return synthetic_ids(self.salt, index, block_size, self.vocab_size)
 
 
 @dataclass(frozen=True, slots=True)

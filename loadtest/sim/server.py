@@ -61,7 +61,7 @@ from loadtest.sim.protocol import (
     parse_completion,
     parse_json,
 )
-from loadtest.sim.scheduler import SimRequest, Status
+from loadtest.sim.scheduler import SYNTHETIC_VOCAB, SimRequest, Status
 from loadtest.sim.steptime import FRONTEND_LATENCY_S
 
 Scope = MutableMapping[str, Any]
@@ -113,6 +113,7 @@ class SimApp:
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._salts = itertools.count(1)
+        self.vocab_size = SYNTHETIC_VOCAB  # the model's and its tokenizer's, from startup()
         # Wall seconds the steps ran past their scaled simulated length: a simulation starved
         # of CPU runs slow and would pass its own limits off as the engine's.
         self.late_s = 0.0
@@ -140,6 +141,11 @@ class SimApp:
                 load_tokenizer, self.config.tokenizer, chat_template=self.config.chat_template,
                 encoder="huggingface")
         self.counter = TokenCounter(self.tokenizer)
+        # Ids of unknown tokens (generated, or a prompt known by length) are drawn from the
+        # model's vocabulary and the tokenizer's (without its special tokens), as an engine
+        # samples ids its tokenizer decodes.
+        words = self.tokenizer.vocab_size if isinstance(self.tokenizer, HFTokenizer) else None
+        self.vocab_size = min(self.spec.model.vocab_size, words or self.spec.model.vocab_size)
         if self.config.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(self.config.kv_events_endpoint,
                                               self.config.kv_events_replay_endpoint,
@@ -293,7 +299,7 @@ class SimApp:
         target = self.lengths.draw(max_tokens, min(min_tokens, max_tokens), ignore_eos)
         request = SimRequest(request_id, prompt_tokens, max_tokens, target, arrival, hashes,
                              salt=next(self._salts), on_progress=on_progress,
-                             prompt_ids=prompt_ids)
+                             prompt_ids=prompt_ids, vocab_size=self.vocab_size)
         # No await between the in-flight check above and this add: the count is exact.
         self.core.add(request)
         self._wake.set()
