@@ -58,7 +58,7 @@ TOLERANCE = 0.10
 
 
 def qwen_tokenizer_dir() -> str:
-    out = subprocess.run([str(BIN / "python"), "-c", "from gateway.cost.loading import "
+    out = subprocess.run([str(BIN / "python"), "-c", "from gateway.tokens.loading import "
                           "builtin_qwen3_dir; print(builtin_qwen3_dir())"],
                          check=True, capture_output=True, text=True, cwd=ROOT)
     return out.stdout.strip()

@@ -30,12 +30,12 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from benchmarks import harness
-from gateway.eager import finish
 from gateway.errors import GatewayError
-from gateway.inbound import Inbound
 from gateway.observe.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline, RequestContext
+from gateway.pipeline.eager import finish
 from gateway.pipeline.forward import upstream_body
+from gateway.pipeline.inbound import Inbound
 from gateway.pipeline.prepare import prepare
 from gateway.policy.loader import parse_policy
 from gateway.runtime import build_runtime, load_counters, make_session

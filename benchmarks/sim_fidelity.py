@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from benchmarks.harness import median
-from gateway.profiles import get_gpu, get_model, ledger
+from gateway.cost.profiles import get_gpu, get_model, ledger
 from loadtest.sim import ReplayResult, SimConfig, WorkItem, replay
 from loadtest.sim.steptime import FRONTEND_LATENCY_S
 

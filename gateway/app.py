@@ -40,16 +40,17 @@ from gateway.api import admin, ops, passthrough
 from gateway.api.anthropic import CountTokensEndpoint, MessagesEndpoint
 from gateway.api.estimate import EstimateEndpoint
 from gateway.api.openai import CompletionsEndpoint, error_response, list_models
-from gateway.cost import TokenCounter, TokenizerError, load_tokenizer
+from gateway.cost import TokenizerError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.pipeline import Gate
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.prefix.precise import PreciseEvents
-from gateway.protocol import error_type
 from gateway.runtime import Runtime, build_runtime, load_counters, make_engine_pool, make_session
 from gateway.serving.heap import HeapKeeper
 from gateway.state import StateBackend, create_state
+from gateway.tokens import TokenCounter, load_tokenizer
 from gateway.upstream.native import EnginePool
+from gateway.wire.openai import error_type
 
 STATE_WARM_S = 3.0  # at most this long at start for the state store to answer
 
@@ -95,7 +96,7 @@ class GatewayApp:
             "/v1/completions": CompletionsEndpoint("completions", get, gate),
             "/v1/responses": CompletionsEndpoint("responses", get, gate),
             "/v1/embeddings": CompletionsEndpoint("embeddings", get, gate),
-            # Prefill work, counted and admitted as an embedding (gateway/pooling.py says why;
+            # Prefill work, counted and admitted as an embedding (gateway/wire/pooling.py says why;
             # /pooling is passed through: gateway/api/passthrough.py).
             "/v1/rerank": CompletionsEndpoint("rerank", get, gate),
             "/v1/score": CompletionsEndpoint("score", get, gate),

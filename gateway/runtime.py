@@ -13,18 +13,19 @@ import aiohttp
 from starlette.requests import Request
 
 from gateway.admission.controller import Admission
-from gateway.affinity import Affinity
-from gateway.auth import Tenants
-from gateway.backends import Backends
-from gateway.cost import OutputLengthModel, TokenCounter, load_tokenizer
+from gateway.cost import OutputLengthModel
 from gateway.observe.accounting import Accountant
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.prefix import PrefixIndexes
-from gateway.quotas import Quotas
-from gateway.routing import Router
+from gateway.routing.affinity import Affinity
+from gateway.routing.backends import Backends
+from gateway.routing.router import Router
 from gateway.signals.engines import EngineScraper
 from gateway.state import StateBackend
+from gateway.tenancy.auth import Tenants
+from gateway.tenancy.quotas import Quotas
+from gateway.tokens import TokenCounter, load_tokenizer
 from gateway.upstream.aio import AioClient
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.native import EnginePool

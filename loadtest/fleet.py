@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.admission.controller import Admission, Ask
-from gateway.backends import Backends
 from gateway.cost import OutputLengthModel, estimate
 from gateway.errors import GatewayError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.planner.tier import TierDelay
 from gateway.policy.loader import parse_policy
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.state import MemoryState
 from loadtest.sim import vloop

@@ -16,7 +16,7 @@ most requests a second served, by first tokens in a step's second half; direct, 
 rates), the cluster's is that times the replicas, and the trace is superposed and compressed
 to 1x and 2x it (loadtest/fleet_traffic.py). Through the gateway (the planner's limits for the
 SLO: the pool's protection before any calibration), each run reports goodput, the cost per
-million tokens that met the SLO (every GPU paid for the run's length, `gateway/pricing.py`),
+million tokens that met the SLO (every GPU paid for the run's length, `gateway/cost/pricing.py`),
 and the gateway tier it needs (gateway/planner/tier.py's rule on the run's own request rate,
 output lengths and open streams).
 """
@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway import pricing
+from gateway.cost import pricing
 from gateway.planner.tier import TierDelay, size_tier
 from loadtest import fleet_traffic as traffic
 from loadtest.fleet import FleetResult, FleetSpec, Job, simulate

@@ -37,10 +37,10 @@ from typing import Any
 
 import yaml
 
+from gateway.cost.profiles import get_gpu
 from gateway.planner.throughput import Lengths, throughput
 from gateway.policy import PolicyError, load_policy
 from gateway.policy.model import Policy, PoolSpec
-from gateway.profiles import get_gpu
 from loadtest import gateway_metrics
 from loadtest.extras import MissingExtra
 from loadtest.plot import require_matplotlib

@@ -15,7 +15,7 @@ output figure then charges the whole spend to output tokens, the way a price per
 tokens is usually quoted, and there is no input figure. Token counts are the report's own (the
 target's `usage` of completed requests), so every figure can be recomputed from the JSON.
 
-The price flags, their checks and the spend's split are `gateway/pricing.py`'s, as for
+The price flags, their checks and the spend's split are `gateway/cost/pricing.py`'s, as for
 `gateway plan` and the gateway itself; this module adds `--gpus` (what the target runs on) and
 the report's figures.
 """
@@ -28,7 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.pricing import PriceError, add_price_arguments, gpu_spend, per_token, price_from_args
+from gateway.cost.pricing import (
+    PriceError,
+    add_price_arguments,
+    gpu_spend,
+    per_token,
+    price_from_args,
+)
 
 COST_KEYS = ("cost_total", "cost_per_million_tokens", "cost_per_million_input_tokens",
              "cost_per_million_output_tokens", "cost_per_million_goodput_tokens",

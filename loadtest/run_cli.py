@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.pricing import PriceError
+from gateway.cost.pricing import PriceError
 from loadtest import gateway_metrics
 from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
 from loadtest.report import SloError, parse_slo, prefix_figures, render_text

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.cost.loading import load_tokenizer
-from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.cost.traces import TraceError, TraceRequest, read_trace
+from gateway.tokens.loading import load_tokenizer
+from gateway.tokens.tokenizer import HFTokenizer, Tokenizer
 from loadtest.client import RequestSpec, chat_request, completion_request
 
 Endpoint = Literal["chat", "completions"]

@@ -9,7 +9,7 @@ import time
 import pytest
 from openai import OpenAI
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 from tests.conftest import StartGateway, StartSim, metric, scrape, settled
 from tests.servers import Server
 

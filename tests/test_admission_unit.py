@@ -12,11 +12,11 @@ from gateway.admission.guard import LatencyGuard, combine, verdict
 from gateway.admission.pool import MEASURED_RELEASES, MEASURED_S
 from gateway.admission.queue import PRIORITIES, FairQueue, Waiter
 from gateway.api.errors import headers_of
-from gateway.backends import Backends
 from gateway.errors import GatewayError
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
-from gateway.routing import Router
+from gateway.routing.backends import Backends
+from gateway.routing.router import Router
 from gateway.signals.engines import EngineScraper, parse_engine_metrics
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.state import MemoryState

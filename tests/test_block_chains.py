@@ -1,4 +1,4 @@
-"""The block trie (gateway/cost/blocks.py) must give exactly what hashing the whole prompt's ids
+"""The block trie (gateway/tokens/blocks.py) must give exactly what hashing the whole prompt's ids
 gives, however much of the prompt it knew: nothing, a prefix, all of it, pieces evicted."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from gateway.cost.blocks import BlockChains
-from gateway.cost.loading import load_tokenizer
-from gateway.cost.tokenizer import HFTokenizer
 from gateway.prefix.hashing import block_hashes
+from gateway.tokens.blocks import BlockChains
+from gateway.tokens.loading import load_tokenizer
+from gateway.tokens.tokenizer import HFTokenizer
 
 
 @pytest.fixture(scope="module")

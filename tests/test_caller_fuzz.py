@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.protocol import error_body
 from gateway.serving.guard import LINGER_S, ConnectionGuard
 from gateway.serving.server import ConnectionLimits
+from gateway.wire.openai import error_body
 from tests.in_process import served
 
 SEED = 43

@@ -1,4 +1,4 @@
-"""A chat body is checked by hand (gateway/protocol.py `_chat_request`) and read as a
+"""A chat body is checked by hand (gateway/wire/openai.py `_chat_request`) and read as a
 `ChatRequest`; `ChatCompletionRequest`, the pydantic model, states the same rules and words
 the errors. Hypothesis draws bodies near those rules, valid or not, and holds the two to one
 verdict: the hand check accepts exactly what the model accepts, and reads the same fields.
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import (
+from gateway.wire.openai import (
     ChatCompletionRequest,
     ChatRequest,
     _chat_of,

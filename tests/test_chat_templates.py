@@ -17,24 +17,25 @@ from typing import Any
 
 import pytest
 
-from gateway.cost import HFTokenizer, TemplateError, TokenizerError, load_tokenizer
-from gateway.cost.loading import builtin_qwen3_dir
-from gateway.cost.templates import (
+from gateway.cost import TemplateError, TokenizerError
+from gateway.errors import InvalidRequest
+from gateway.policy import PolicyError, parse_policy
+from gateway.tokens import HFTokenizer, load_tokenizer
+from gateway.tokens.loading import builtin_qwen3_dir
+from gateway.tokens.templates import (
     BUILTIN_TEMPLATES,
     load_chat_template,
     openai_messages,
     request_template_kwargs,
 )
-from gateway.errors import InvalidRequest
-from gateway.policy import PolicyError, parse_policy
-from gateway.protocol import template_kwargs
+from gateway.wire.openai import template_kwargs
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import ROOT, openai_client
 
 transformers = pytest.importorskip("transformers")
 
-TEMPLATES_DIR = ROOT / "gateway" / "cost" / "chat_templates"
-# What each shipped file must stay byte for byte (gateway/cost/chat_templates/README.md says
+TEMPLATES_DIR = ROOT / "gateway" / "tokens" / "chat_templates"
+# What each shipped file must stay byte for byte (gateway/tokens/chat_templates/README.md says
 # where each text comes from); a change here is a change of the model's prompt.
 SHA256 = {
     "qwen2.5.jinja": "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
@@ -106,7 +107,7 @@ def test_shipped_templates_are_the_models_own_text_and_are_package_data() -> Non
         assert name in readme and digest in readme  # provenance kept beside the text
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     globs = data["tool"]["setuptools"]["package-data"]["gateway"]
-    assert "cost/chat_templates/*.jinja" in globs
+    assert "tokens/chat_templates/*.jinja" in globs
     # The names load what they say: Qwen2.5's default system prompt, Llama's headers.
     assert QWEN_DEFAULT_SYSTEM.replace("\n", "\\n") in load_chat_template("qwen2.5")
     assert load_chat_template("llama-3.3") == load_chat_template("llama-3.1")

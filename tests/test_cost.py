@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gateway.cost import OutputLengthModel, RequestCostError, estimate
-from gateway.profiles import get_model
+from gateway.cost.profiles import get_model
 
 M70 = get_model("generic-70b-gqa")
 
@@ -85,7 +85,7 @@ def test_a_cost_model_gives_the_profiles_figures_exactly() -> None:
     """The request path's CostModel works the profile's figures out once; every figure of
     its cost is the one ModelProfile's own formulas give, to the last bit."""
     from gateway.cost import CostModel
-    from gateway.profiles import MODELS, blocks_for
+    from gateway.cost.profiles import MODELS, blocks_for
 
     learned = OutputLengthModel(300, min_samples=1)
     learned.observe(40)

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from gateway.admission.controller import Admission, Ask, Ticket
 from gateway.admission.queue import PRIORITIES, Waiter
-from gateway.backends import Backends
 from gateway.errors import NoBackendAvailable, Overloaded
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.state import MemoryState
 

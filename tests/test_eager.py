@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.eager import Resumed, finish, start
+from gateway.pipeline.eager import Resumed, finish, start
 
 
 @pytest.mark.anyio

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import ROOT, Server, bearer, free_port, gateway_cmd, http, poll_metric
 

@@ -13,11 +13,11 @@ import msgspec
 
 from gateway.commands.check import protections
 from gateway.cost import CostModel
+from gateway.cost.profiles import get_model
+from gateway.pipeline.prepared import Work
 from gateway.policy import parse_policy
 from gateway.prefix import IndexMode, PrefixIndexes, block_hashes
 from gateway.prefix.events import Follower
-from gateway.prepared import Work
-from gateway.profiles import get_model
 from gateway.signals.blocks import EngineBlocks, disagreement
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import free_port, http, metric, poll_metric, quiet, scrape

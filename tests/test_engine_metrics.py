@@ -14,9 +14,9 @@ from typing import NamedTuple
 import pytest
 
 from gateway.admission.controller import Admission, Ask, Overloaded
-from gateway.backends import Backends
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineScraper, parse_engine_metrics, parse_llamacpp_props
 from gateway.state import MemoryState
 from loadtest.sim.config import SimConfig

@@ -8,7 +8,7 @@ import json
 import pytest
 from openai import BadRequestError, OpenAI
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 from tests.conftest import StartGateway, StartSim, metric, policy_yaml, scrape
 from tests.servers import Server
 

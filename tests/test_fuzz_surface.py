@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 from tests.conftest import SIM_ARGS, policy_yaml
 from tests.servers import Server, gateway_cmd, loadtest_cmd, metric, quiet, run_server, scrape
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gateway.auth import hash_key
 from gateway.errors import QuotaExceeded
 from gateway.policy import parse_policy
-from gateway.protocol import client_deadline
-from gateway.quotas import take_quota
 from gateway.state import MemoryState
+from gateway.tenancy.auth import hash_key
+from gateway.tenancy.quotas import take_quota
+from gateway.wire.openai import client_deadline
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     Server,

@@ -1,6 +1,7 @@
 """The import graph of gateway/: no cycles, no imports hidden in functions to dodge one, and
-the layers point one way (decisions know nothing of HTTP; gateway/ never imports loadtest/).
-The benchmarks' graph has no cycle either: they share benchmarks/harness.py, not each other.
+the layers point one way (decisions know nothing of HTTP; nothing on the request path imports
+gateway/serving/; gateway/ never imports loadtest/). The load tester's graph and the
+benchmarks' have no cycle either: the benchmarks share benchmarks/harness.py, not each other.
 
 Every import statement counts, wherever it stands (module level, inside a function, under
 `if TYPE_CHECKING:`), so deferring an import cannot hide a cycle from this test.
@@ -19,11 +20,12 @@ PACKAGE = ROOT / "gateway"
 # Imports inside functions that are there for a reason other than a cycle, and why.
 DEFERRED_OK = {
     ("gateway.state", "gateway.state.redis"): "redis-py is loaded only when a Redis URL is given",
-    ("gateway.cost.loading", "gateway.cost.hub"): "only hub ids pay for huggingface_hub",
+    ("gateway.tokens.loading", "gateway.tokens.hub"): "only hub ids pay for huggingface_hub",
 }
 # Plain-code layers that decide: they must not import the HTTP side.
-DECISIONS = ("gateway.routing", "gateway.admission", "gateway.quotas", "gateway.auth",
-             "gateway.cost", "gateway.errors", "gateway.pipeline")
+DECISIONS = ("gateway.routing", "gateway.admission", "gateway.tenancy", "gateway.tokens",
+             "gateway.cost", "gateway.wire", "gateway.errors", "gateway.records",
+             "gateway.pipeline")
 HTTP_SIDE = ("gateway.api", "starlette", "uvicorn", "gateway.app", "gateway.serving")
 
 
@@ -34,6 +36,7 @@ def module_name(path: Path) -> str:
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 BENCHMARKS = {module_name(p): p for p in (ROOT / "benchmarks").rglob("*.py")}
+LOADTEST = {module_name(p): p for p in (ROOT / "loadtest").rglob("*.py")}
 
 
 def resolve(name: str, modules: dict[str, Path] = MODULES) -> str | None:
@@ -107,6 +110,12 @@ def test_the_benchmarks_import_graph_has_no_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_the_load_testers_import_graph_has_no_cycle() -> None:
+    assert "loadtest.sim.server" in LOADTEST
+    cycle = find_cycle(graph(LOADTEST))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -158,32 +167,40 @@ def test_the_gateway_and_the_commands_load_nothing_of_the_loadtest_extra() -> No
 
 # What decides (who may, where to, how much) is plain code: no chain of imports from it
 # reaches an HTTP library or the gateway's HTTP side, the engines' seam included.
-PLAIN = ("gateway.routing", "gateway.admission", "gateway.quotas", "gateway.auth",
-         "gateway.cost", "gateway.errors", "gateway.backends", "gateway.prefix",
+PLAIN = ("gateway.routing", "gateway.admission", "gateway.tenancy", "gateway.tokens",
+         "gateway.cost", "gateway.wire", "gateway.errors", "gateway.records", "gateway.prefix",
          "gateway.state", "gateway.policy", "gateway.planner", "gateway.signals")
 HTTP_REACH = ("aiohttp", "starlette", "uvicorn", "httptools", "gateway.api", "gateway.app",
               "gateway.serving", "gateway.upstream", "gateway.pipeline", "gateway.runtime")
 
 
-def reach(start: str) -> list[str] | None:
-    """The first import chain from `start` to anything of HTTP_REACH, or None."""
+def loaded(name: str) -> list[str]:
+    """What importing `name` runs: its module and, first, every package above it."""
+    target = resolve(name) or name
+    parts = target.split(".")
+    return [p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in MODULES] + [target]
+
+
+def reach(start: str, targets: tuple[str, ...] = HTTP_REACH) -> list[str] | None:
+    """The first import chain from `start` to anything of `targets`, or None. Importing a
+    module runs its packages' __init__ too, so a chain may pass through them."""
     before: dict[str, str | None] = {start: None}
     queue = [start]
     while queue:
         module = queue.pop(0)
         for name, _ in imports(module):
-            target = resolve(name) or name
-            if target in before:
-                continue
-            before[target] = module
-            if target.startswith(HTTP_REACH):
-                chain, at = [target], module
-                while at is not None:
-                    chain.append(at)
-                    at = before[at]
-                return chain[::-1]
-            if target in MODULES:
-                queue.append(target)
+            for target in loaded(name):
+                if target in before:
+                    continue
+                before[target] = module
+                if target.startswith(targets):
+                    chain, at = [target], module
+                    while at is not None:
+                        chain.append(at)
+                        at = before[at]
+                    return chain[::-1]
+                if target in MODULES:
+                    queue.append(target)
     return None
 
 
@@ -192,5 +209,22 @@ def test_the_decisions_reach_no_http_through_any_chain() -> None:
     assert not chains, "\n".join(" -> ".join(c) for c in chains.values())
 
 
+# The request path: the transport, the stages, the engines' seam, what a policy builds, and the
+# decisions. gateway/serving/ (the server process, its workers, the heap keeper) sits above the
+# app and is handed the app; nothing a request runs through imports it.
+REQUEST_PATH = ("gateway.api", "gateway.pipeline", "gateway.upstream", "gateway.runtime",
+                "gateway.observe", *PLAIN)
+
+
+def test_the_request_path_imports_nothing_of_serving() -> None:
+    chains = {m: c for m in MODULES if m.startswith(REQUEST_PATH)
+              and (c := reach(m, ("gateway.serving",))) is not None}
+    assert not chains, "\n".join(" -> ".join(c) for c in chains.values())
+
+
 def test_the_chain_finder_finds_one() -> None:
     assert reach("gateway.upstream.aio") == ["gateway.upstream.aio", "aiohttp"]
+    # through a package's __init__: importing gateway.pipeline.serve runs gateway/pipeline/
+    assert reach("gateway.api.openai", ("gateway.pipeline",)) is not None
+    assert loaded("gateway.tokens.hub.fetch_tokenizer_files") == [
+        "gateway", "gateway.tokens", "gateway.tokens.hub"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.pricing import PriceError
+from gateway.cost.pricing import PriceError
 from loadtest.client import RequestResult, Usage
 from loadtest.pricing import Pricing, add_price_options, cost_figures, parse_pricing
 from loadtest.report import Sample, figures, render_text

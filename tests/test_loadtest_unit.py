@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.cost.loading import load_tokenizer
 from gateway.cost.traces import TraceRequest
 from gateway.policy.loader import parse_policy
+from gateway.tokens.loading import load_tokenizer
 from loadtest.calibrate import StateSample, learned_values, rewrite_policy, state_summary
 from loadtest.client import RequestResult, Usage
 from loadtest.gate import GateError, compare, parse_allowances

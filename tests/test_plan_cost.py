@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.cost.pricing import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
 from gateway.planner.throughput import STEP_OVERHEAD_S
-from gateway.pricing import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
 from tests.test_plan import M70, TRACES, gateway_plan, plan_json
 
 # Fixed lengths: P50 = P99 = 1,000 prompt tokens, 200 output tokens per request.

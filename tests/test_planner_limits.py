@@ -22,8 +22,9 @@ from gateway.admission import waiting
 from gateway.admission.controller import Admission, Ask, Overloaded, Ticket
 from gateway.admission.pool import MEASURED_RELEASES, MEASURED_S
 from gateway.admission.thresholds import pool_planner_limits, thresholds_for
-from gateway.backends import Backends
 from gateway.commands.check import protections, warnings
+from gateway.cost.pricing import PREFILL_EFFICIENCY
+from gateway.cost.profiles import get_gpu, get_model
 from gateway.observe.metrics import GatewayMetrics
 from gateway.planner.limits import (
     BACKLOG_SHARE,
@@ -33,8 +34,7 @@ from gateway.planner.limits import (
 )
 from gateway.planner.throughput import Lengths, throughput
 from gateway.policy import parse_policy
-from gateway.pricing import PREFILL_EFFICIENCY
-from gateway.profiles import get_gpu, get_model
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineScraper
 from gateway.state import MemoryState
 from tests.conftest import StartGateway, StartSim

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cost import HFTokenizer, load_tokenizer
+from gateway.tokens import HFTokenizer, load_tokenizer
 from tests.conftest import SIM_ARGS, StartGateway, StartSim, policy_yaml
 from tests.servers import (
     Reply,

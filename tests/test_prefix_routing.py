@@ -19,11 +19,11 @@ import pytest
 
 from gateway.admission.controller import Admission, Ask
 from gateway.admission.decision import AskView, BackendView, PoolView, blocks_on, decide, place
-from gateway.backends import Backends
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import Policy, parse_policy
 from gateway.prefix import IndexMode
-from gateway.routing import PrefixRule, most_headroom_first, prefix_order
+from gateway.routing.backends import Backends
+from gateway.routing.router import PrefixRule, most_headroom_first, prefix_order
 from gateway.signals.engines import EngineScraper
 from gateway.state import MemoryState
 from loadtest.workload import Item, WorkloadError, multiturn_items, parse_multiturn

@@ -1,5 +1,5 @@
 """The rank encoder (tiktoken's core) gives exactly the Hugging Face encoder's ids, where it
-is used at all, and steps aside where it cannot (gateway/cost/rankbpe.py)."""
+is used at all, and steps aside where it cannot (gateway/tokens/rankbpe.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.cost import TokenCounter, rankbpe
-from gateway.cost.counter import RANK_INLINE_FACTOR
-from gateway.cost.loading import builtin_qwen3_dir, load_tokenizer
-from gateway.cost.rankbpe import CANARY_EVERY
-from gateway.cost.tokenizer import HFTokenizer
 from gateway.policy import PolicyError
 from gateway.policy.loader import parse_policy
+from gateway.tokens import TokenCounter, rankbpe
+from gateway.tokens.counter import RANK_INLINE_FACTOR
+from gateway.tokens.loading import builtin_qwen3_dir, load_tokenizer
+from gateway.tokens.rankbpe import CANARY_EVERY
+from gateway.tokens.tokenizer import HFTokenizer
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import openai_client, settled
 

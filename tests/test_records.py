@@ -35,7 +35,7 @@ def test_a_record_equals_hashes_and_prints_as_a_frozen_dataclass() -> None:
 
 def test_the_request_path_records_are_records() -> None:
     from gateway.admission.decision import Decision
-    from gateway.inbound import Inbound
+    from gateway.pipeline.inbound import Inbound
     from gateway.state.base import Lease
     from gateway.upstream.forward import Upstream
 

@@ -25,14 +25,14 @@ from gateway.admission.controller import Admission, Ask, Overloaded
 from gateway.admission.pool import MEASURED_RELEASES, MEASURED_S
 from gateway.admission.waiting import WAIT_HORIZON_S
 from gateway.api.errors import headers_of
-from gateway.backends import Backends
 from gateway.errors import GatewayError, QuotaExceeded, RateWindow
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import parse_policy
-from gateway.protocol import RETRY_AFTER_MAX_S, retry_headers
+from gateway.routing.backends import Backends
 from gateway.signals.engines import EngineScraper
 from gateway.state import MemoryState
 from gateway.upstream.engine_errors import engine_error_headers
+from gateway.wire.openai import RETRY_AFTER_MAX_S, retry_headers
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import Server, http, quiet
 

@@ -23,7 +23,6 @@ import pytest
 from aiohttp import web
 
 from gateway.api.errors import headers_of, http_error
-from gateway.auth import hash_key
 from gateway.errors import (
     BodyTooLarge,
     Forbidden,
@@ -40,7 +39,8 @@ from gateway.errors import (
     UnsupportedMediaType,
     UpstreamError,
 )
-from gateway.protocol import SDK_RETRY_AFTER_CAP_S
+from gateway.tenancy.auth import hash_key
+from gateway.wire.openai import SDK_RETRY_AFTER_CAP_S
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     Server,

@@ -395,3 +395,20 @@ async def test_a_malformed_chunked_body_gets_a_400_and_the_waiting_app_is_told(
     await asyncio.wait_for(app.saw_disconnect.wait(), 1)
     assert await closed(reader) == b""
     writer.close()
+
+
+@pytest.mark.anyio
+async def test_what_comes_behind_a_request_being_served_is_bounded() -> None:
+    """uvicorn's parser gathers a pipelined request's head without bound while the one before
+    it is served: a caller holding a stream open could send headers for ever. The guard cuts the
+    connection past `max_header_bytes + max_body_bytes` within one request."""
+    limits = ConnectionLimits(max_header_bytes=1024, max_body_bytes=4096, keep_alive_timeout_s=5)
+    async with running(limits=limits) as (app, port):
+        reader, writer = await connect(port, get("/hold"))
+        await asyncio.wait_for(reader.readuntil(b"data: 1\n\n"), 10)
+        writer.write(b"GET /stream HTTP/1.1\r\nx-endless: ")
+        for _ in range(10):
+            writer.write(b"a" * 1000)
+        await closed(reader)
+        await asyncio.wait_for(app.saw_disconnect.wait(), 1)
+        writer.close()

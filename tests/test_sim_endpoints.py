@@ -25,7 +25,7 @@ try:  # the openai SDK's HTTP client: httpx2 from openai 3, httpx before
 except ImportError:
     from httpx import HTTPError
 
-from gateway.cost import HFTokenizer, load_tokenizer, openai_messages
+from gateway.tokens import HFTokenizer, load_tokenizer, openai_messages
 from tests.conftest import SIM_ARGS, StartSim
 from tests.servers import (
     Server,

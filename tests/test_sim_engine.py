@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.profiles import get_gpu, get_model, ledger, vllm_batch_defaults
+from gateway.cost.profiles import get_gpu, get_model, ledger, vllm_batch_defaults
 from loadtest.sim import prompts
 from loadtest.sim.config import ConfigError, SimConfig
 from loadtest.sim.engine import EngineCore

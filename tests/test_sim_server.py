@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cost import load_tokenizer, openai_messages
+from gateway.tokens import load_tokenizer, openai_messages
 from tests.servers import (
     Samples,
     Server,

@@ -36,7 +36,7 @@ import pytest
 import redis
 from redis.sentinel import Sentinel
 
-from gateway.eager import finish
+from gateway.pipeline.eager import finish
 from gateway.policy.model import StateSpec
 from gateway.state import Bucket, Lease, Limits, StateError
 from gateway.state.breaker import OPEN
@@ -428,7 +428,7 @@ async def test_a_client_cancelling_its_own_call_is_the_store_out_not_a_traceback
 @pytest.mark.anyio
 async def test_a_call_finished_in_another_task_keeps_its_deadline() -> None:
     # A request's `finally` runs its release eagerly and, once it waits, finishes it in a task
-    # of its own (gateway/eager.py). A deadline bound to the task that started the call
+    # of its own (gateway/pipeline/eager.py). A deadline bound to the task that started the call
     # cancelled the request's task instead (a traceback out of the server as a cluster primary
     # was killed under load, two full runs of the suite in three) and left the call unbounded.
     state = RedisState("redis+cluster://127.0.0.1:1", spec=StateSpec(timeout_s=0.2))

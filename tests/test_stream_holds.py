@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 
 from gateway.app import GatewayApp
+from gateway.pipeline.prepared import Prepared
 from gateway.policy.loader import parse_policy
-from gateway.prepared import Prepared
 from gateway.serving.server import ConnectionLimits, server_config
 from gateway.upstream.forward import Upstream
 from tests.conftest import StartSim, policy_yaml

@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 from tests.conftest import StartGateway, StartSim, policy_yaml
 from tests.servers import (
     bearer,

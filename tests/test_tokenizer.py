@@ -10,19 +10,16 @@ from typing import Any
 
 import pytest
 
-from gateway.cost import (
+from gateway.cost import PromptTooLong, RequestCostError, TemplateError, TokenizerError
+from gateway.tokens import (
     CharRatioEstimator,
     HFTokenizer,
-    PromptTooLong,
-    RequestCostError,
-    TemplateError,
     TokenCounter,
-    TokenizerError,
     load_tokenizer,
     openai_messages,
 )
-from gateway.cost.loading import builtin_qwen3_dir
-from gateway.cost.pieces import TABLE_CHARS, PieceCache
+from gateway.tokens.loading import builtin_qwen3_dir
+from gateway.tokens.pieces import TABLE_CHARS, PieceCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,7 +184,7 @@ def test_cache_is_bounded() -> None:
 
 
 def test_a_large_cache_is_cut_into_tables_each_within_its_share() -> None:
-    """A cache of many table shares (gateway/cost/pieces.py: a whole-table rehash holds the
+    """A cache of many table shares (gateway/tokens/pieces.py: a whole-table rehash holds the
     loop): every table within its share, the recent pieces kept, the oldest gone."""
     cache = PieceCache(8 * TABLE_CHARS)
     assert len(cache._tables) == 8

@@ -1,4 +1,5 @@
-"""A conversation's next turn starts where its seen messages left the walk (gateway/cost/turns.py).
+"""A conversation's next turn starts where its seen messages left the walk
+(gateway/tokens/turns.py).
 
 The one property that matters: whatever the memo of earlier turns holds, a prompt's count and
 block hashes are exactly those of its whole render, encoded and hashed from nothing (here by
@@ -18,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.cost import openai_messages
-from gateway.cost.loading import builtin_qwen3_dir, load_from_files
-from gateway.cost.native import Settled
-from gateway.cost.tokenizer import HFTokenizer
-from gateway.cost.turns import Resumed, Turns, message_key, settled_count
 from gateway.prefix.hashing import block_hashes
+from gateway.tokens import openai_messages
+from gateway.tokens.loading import builtin_qwen3_dir, load_from_files
+from gateway.tokens.native import Settled
+from gateway.tokens.tokenizer import HFTokenizer
+from gateway.tokens.turns import Resumed, Turns, message_key, settled_count
 
 NAMES = ("qwen3", "qwen2.5", "llama-3", "llama-3.1")
 # Llama's templates read a BOS the Qwen tokenizer files lack: given as a template argument.

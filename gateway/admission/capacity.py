@@ -21,9 +21,9 @@ import logging
 from collections.abc import Callable
 
 from gateway.admission.pool import PoolState
+from gateway.cost.profiles import get_gpu, ledger
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy, PoolSpec
-from gateway.profiles import get_gpu, ledger
 from gateway.signals.blocks import disagreement
 from gateway.signals.engines import EngineSample, EngineScraper
 

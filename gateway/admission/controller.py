@@ -43,11 +43,11 @@ from gateway.admission.prefixes import PrefixPlacement, rule_of
 from gateway.admission.preview import explain
 from gateway.admission.queue import FairQueue
 from gateway.admission.thresholds import thresholds_for
-from gateway.backends import Backend, Backends
 from gateway.errors import GatewayError, NoBackendAvailable, Overloaded, StateUnavailable
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 from gateway.prefix import PrefixIndexes
+from gateway.routing.backends import Backend, Backends
 from gateway.signals.engines import EngineSample, EngineScraper
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, StreamProgress

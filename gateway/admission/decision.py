@@ -16,7 +16,7 @@ The checks, in order:
    waiting for the tokenizer behind a burst of long prompts) cannot meet it: reject
    (`ttft_spent`), even where it would fit, so the engines' time goes to requests that can;
 6. placement (`place`): backends by KV headroom, most first, or by prefix cost within the
-   imbalance bound where the pool routes by prefix (gateway/routing.py `prefix_order`); a
+   imbalance bound where the pool routes by prefix (gateway/routing/router.py `prefix_order`); a
    backend is skipped when its engine's own report or its prefill backlog (less what it holds
    of the prompt) rules it out (one that holds part of the prompt still takes it when it
    would reach the first token no later than the backend taking it instead); the first where
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Literal
 
 from gateway.records import record
-from gateway.routing import PrefixRule, least_outstanding, most_headroom_first, prefix_order
+from gateway.routing.router import PrefixRule, least_outstanding, most_headroom_first, prefix_order
 
 Mode = Literal["enforce", "static", "shadow", "disabled"]
 Action = Literal["admit", "queue", "reject"]

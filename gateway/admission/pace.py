@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.admission.thresholds import Thresholds
+from gateway.cost.pricing import PREFILL_EFFICIENCY
+from gateway.cost.profiles import GpuProfile, ModelProfile, get_gpu
 from gateway.planner.limits import INFLIGHT_PROMPT, prefill_seconds
 from gateway.planner.throughput import Lengths, throughput
 from gateway.policy.model import Policy, PoolSpec
-from gateway.pricing import PREFILL_EFFICIENCY
-from gateway.profiles import GpuProfile, ModelProfile, get_gpu
 
 
 @dataclass(frozen=True, slots=True)

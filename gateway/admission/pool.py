@@ -11,9 +11,9 @@ from gateway.admission.guard import LatencyGuard
 from gateway.admission.pace import Pace
 from gateway.admission.queue import PRIORITIES, FairQueue
 from gateway.admission.thresholds import Thresholds
-from gateway.backends import Backend
 from gateway.policy.model import PoolSpec
 from gateway.records import record
+from gateway.routing.backends import Backend
 from gateway.signals.quantiles import WindowedQuantiles
 from gateway.signals.streams import LiveStreams, Watched
 from gateway.state import Lease, StateBackend

@@ -25,7 +25,7 @@ from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import PoolSpec
 from gateway.prefix import IndexMode, PrefixIndex, PrefixIndexes
-from gateway.routing import PrefixRule, prefix_order
+from gateway.routing.router import PrefixRule, prefix_order
 from gateway.signals.engines import EngineSample
 
 # A ticket's `held` while its blocks wait to be held (a distinct empty object, unlike ()).

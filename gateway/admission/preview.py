@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from gateway.admission.capacity import Capacity
 from gateway.admission.decision import Decision, PoolView, blocks_on
 from gateway.admission.pool import Ask, PoolState
-from gateway.backends import Backend
-from gateway.routing import prefix_costs
+from gateway.routing.backends import Backend
+from gateway.routing.router import prefix_costs
 from gateway.signals.engines import EngineScraper
 
 

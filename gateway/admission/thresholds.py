@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from gateway.cost.profiles import get_gpu
 from gateway.planner.limits import PlannerLimits, Slo, planner_limits
 from gateway.policy.model import Policy, PoolSpec
-from gateway.profiles import get_gpu
 
 Source = Literal["policy", "learned", "planner", "default"]
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from gateway.admission.pool import Ask, PoolState, Ticket
 from gateway.admission.queue import Waiter
 from gateway.errors import GatewayError, Overloaded
-from gateway.protocol import RETRY_AFTER_MAX_S
+from gateway.wire.openai import RETRY_AFTER_MAX_S
 
 Attempt = Callable[[PoolState, Ask], Awaitable[Ticket | None]]
 Release = Callable[[Ticket], Awaitable[None]]
@@ -61,7 +61,7 @@ def overloaded(ps: PoolState, cause: str, predicted: float, deadline: float,
 
     Its `retry_after_s` is the prediction (at most `WAIT_HORIZON_S`), so a wait past what
     the SDKs sleep says x-should-retry: false; the message says the Retry-After the headers
-    carry, never more than `RETRY_AFTER_MAX_S` (gateway/protocol.py)."""
+    carry, never more than `RETRY_AFTER_MAX_S` (gateway/wire/openai.py)."""
     if cause != "tenant_share":  # the pool is full: what it releases now is its drain
         ps.pressed = True
     retry = max(1, math.ceil(predicted if predicted > 0 else min(deadline, 5.0)))

@@ -18,11 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth import bearer
-from gateway.protocol import error_body, error_type, retry_headers
 from gateway.runtime import Runtime
-from gateway.serving.workers import PARENT_ENV
 from gateway.signals.blocks import disagreement
+from gateway.tenancy.auth import bearer
+from gateway.wire.openai import error_body, error_type, retry_headers
+
+# Set in each process of `gateway serve --workers N` to its parent's pid
+# (gateway/commands/serve.py): a reload asked of one worker is the parent's to pass on to all.
+PARENT_ENV = "GATEWAY_WORKERS_PARENT"
 
 
 class ReloadOutcome(Protocol):

@@ -2,10 +2,10 @@
 
 `/v1/messages` is a completion endpoint like chat: the same pipeline (gateway/pipeline/)
 counts it with the model's chat template as the chat request vLLM converts it to
-(gateway/cost/anthropic.py), routes, admits, queues or refuses it, forwards it to the engine's
+(gateway/tokens/anthropic.py), routes, admits, queues or refuses it, forwards it to the engine's
 own `/v1/messages` and meters the usage of its answer or of its stream's `message_start` and
 `message_delta` events (gateway/upstream/sse.py). Only the caller's view differs: every error
-is in Anthropic's shape (gateway/anthropic.py), the gateway's own and the engines' alike, with
+is in Anthropic's shape (gateway/wire/anthropic.py), the gateway's own and the engines' alike, with
 the gateway's statuses and retry headers.
 
 `count_tokens` is answered by the gateway's own count, not passed to an engine: it is the very
@@ -27,16 +27,16 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway.anthropic import CountTokensRequest, error_body, error_type
 from gateway.api.errors import http_error
 from gateway.api.openai import AsgiClient, CompletionsEndpoint, PipelineEndpoint, inbound
 from gateway.errors import GatewayError, InternalError
-from gateway.inbound import Inbound
 from gateway.pipeline import Gate
 from gateway.pipeline.context import Shared
+from gateway.pipeline.inbound import Inbound
 from gateway.pipeline.prepare import count, identify
-from gateway.protocol import parse_request
 from gateway.runtime import Runtime
+from gateway.wire.anthropic import CountTokensRequest, error_body, error_type
+from gateway.wire.openai import parse_request
 
 log = logging.getLogger("gateway.api")
 

@@ -1,7 +1,7 @@
 """The boundary where the gateway's errors (gateway/errors.py) become HTTP answers.
 
 One table says which status each class of the tree answers with, and so its OpenAI error
-`type` (gateway/protocol.py `error_type`: the same vocabulary the proxy gives the engines'
+`type` (gateway/wire/openai.py `error_type`: the same vocabulary the proxy gives the engines'
 errors); one function renders the headers a client acts on (Retry-After, retry-after-ms,
 x-should-retry, x-gateway-reason, x-ratelimit-*, x-gateway-backend) from the facts the error
 carries. docs/errors.md lists every status, type and code.
@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.protocol import error_body, error_type, rate_limit_headers, retry_headers
+from gateway.wire.openai import error_body, error_type, rate_limit_headers, retry_headers
 
 # Most specific first is not needed: the class's own entry, else its nearest ancestor's.
 _STATUS: dict[type[GatewayError], int] = {

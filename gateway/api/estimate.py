@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.openai import AsgiClient, PipelineEndpoint, inbound
 from gateway.errors import GatewayError, InternalError
-from gateway.protocol import ENDPOINTS, Endpoint
+from gateway.wire.openai import ENDPOINTS, Endpoint
 
 log = logging.getLogger("gateway.api")
 

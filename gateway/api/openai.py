@@ -22,13 +22,13 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import http_error
-from gateway.eager import start
 from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
-from gateway.inbound import Inbound
 from gateway.pipeline import Gate, Pipeline
-from gateway.protocol import Endpoint, error_body
+from gateway.pipeline.eager import start
+from gateway.pipeline.inbound import Inbound
 from gateway.runtime import Runtime, runtime_of
 from gateway.upstream.forward import STAGE_CLOCK, ClientGone
+from gateway.wire.openai import Endpoint, error_body
 
 _JSON = (b"content-type", b"application/json")
 _ID_PREFIX = os.urandom(4).hex()
@@ -146,8 +146,10 @@ class AsgiClient:
 
     def detach(self) -> None:
         if self._watcher is not None:
+            # Not cancelled: uvicorn's receive() returns `http.disconnect` once the answer is
+            # complete (or the connection lost), so the watcher ends by itself, without the
+            # cost of a cancellation on every request.
             self._watcher.remove_done_callback(self._disconnected)
-            self._watcher.cancel()
             self._watcher = None
         if self._cut is not None:
             self._cut.cancel()

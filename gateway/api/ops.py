@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 from gateway.api.admin import refuse_non_admin
 from gateway.observe.metrics import exposition_registry
-from gateway.protocol import error_body, error_type
 from gateway.runtime import runtime_of
+from gateway.wire.openai import error_body, error_type
 
 
 async def healthz(request: Request) -> Response:

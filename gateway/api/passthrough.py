@@ -2,10 +2,10 @@
 
 - `GET /v1/models/{id}`: the model, from the policy.
 - `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: to the backend that stored the
-  response (gateway/affinity.py); 404 when the gateway does not know it.
+  response (gateway/routing/affinity.py); 404 when the gateway does not know it.
 - `POST /tokenize`, `POST /detokenize`: to a healthy backend of the model's pool.
 - `POST /pooling`: vLLM's generic pooling endpoint, likewise. Not admitted as the other
-  pooling endpoints are (gateway/pooling.py): what it costs depends on its `task` and, for
+  pooling endpoints are (gateway/wire/pooling.py): what it costs depends on its `task` and, for
   IO-processor plugins, on `data` of the plugin's own shape, which no tokenizer counts.
 
 Nothing here is admitted or metered (no KV is held, no token generated), but the caller is
@@ -24,7 +24,6 @@ from starlette.routing import Route
 
 from gateway.api.errors import http_error
 from gateway.api.openai import new_request_id
-from gateway.backends import Backend
 from gateway.errors import (
     BodyTooLarge,
     GatewayError,
@@ -33,8 +32,9 @@ from gateway.errors import (
     ModelNotFound,
     NoBackendAvailable,
 )
-from gateway.protocol import check_shape
+from gateway.routing.backends import Backend
 from gateway.runtime import Runtime, runtime_of
+from gateway.wire.openai import check_shape
 
 log = logging.getLogger("gateway.api")
 

@@ -12,9 +12,9 @@ import argparse
 import sys
 
 from gateway.admission.thresholds import Threshold, Thresholds, pool_planner_limits, thresholds_for
+from gateway.cost.profiles import get_gpu, ledger
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.policy.model import AdmissionSpec, PoolSpec
-from gateway.profiles import get_gpu, ledger
 from gateway.state.urls import CLUSTER, SENTINEL, parse_url, state_problem
 
 

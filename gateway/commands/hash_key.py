@@ -10,7 +10,7 @@ import argparse
 import secrets
 import sys
 
-from gateway.auth import hash_key
+from gateway.tenancy.auth import hash_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import socket
 import sys
 from typing import Any
 
+from gateway.api.admin import PARENT_ENV
 from gateway.app import create_app
 from gateway.observe.accesslog import configure_logging
 from gateway.policy import Policy, PolicyError, load_policy
@@ -100,5 +101,5 @@ def worker_main(sock: socket.socket, serve_kwargs: dict[str, Any]) -> None:
     # The parent checked this file a moment ago; a worker that cannot load it must not serve.
     policy = load_policy(serve_kwargs["policy_path"])
     # POST /admin/reload reaches one worker; it asks the parent to reload them all.
-    os.environ[workers.PARENT_ENV] = str(os.getppid())
+    os.environ[PARENT_ENV] = str(os.getppid())
     serve(policy, sockets=[sock], **serve_kwargs)

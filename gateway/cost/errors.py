@@ -1,4 +1,5 @@
-"""Errors of the cost stage; the gateway maps each to an HTTP status at its boundary.
+"""Errors of the cost stage, counting a request's tokens (gateway/tokens/) and costing its work
+(work.py) alike; the gateway maps each to an HTTP status at its boundary.
 
     CostError
      +-- TokenizerError        a tokenizer spec that cannot be loaded (startup error, names what
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 
 class CostError(Exception):
-    """Base of every error raised by `gateway.cost`."""
+    """Base of every error raised by `gateway.tokens` and `gateway.cost`."""
 
 
 class TokenizerError(CostError):

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gateway.cost.errors import RequestCostError
-from gateway.profiles import ModelProfile, blocks_for
+from gateway.cost.profiles import ModelProfile, blocks_for
 from gateway.records import record
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default KV block size in tokens

@@ -26,8 +26,8 @@ from typing import TextIO
 
 import orjson
 
-from gateway.cost.threads import below_the_loop
 from gateway.observe.record import Record
+from gateway.tokens.threads import below_the_loop
 
 access = logging.getLogger("gateway.access")
 

@@ -9,7 +9,7 @@ A pool's spend per hour is its backends x GPUs per backend x price per GPU-hour 
 `cost`). Over a sliding window, that spend is split between input and output tokens (by the
 policy's `input_share`, or by the estimated GPU time of prefill against decode of the requests
 in the window), giving a price per million input and output tokens; each request's tenant is
-charged its tokens at those prices. The rule is `gateway/pricing.py`'s, which `gateway plan`
+charged its tokens at those prices. The rule is `gateway/cost/pricing.py`'s, which `gateway plan`
 and `loadtest` price by too.
 """
 
@@ -20,9 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.observe.metrics import GatewayMetrics
-from gateway.policy.model import Policy
-from gateway.pricing import (
+from gateway.cost.pricing import (
     DECODE_EFFICIENCY,
     ESTIMATED_SHARE,
     PREFILL_EFFICIENCY,
@@ -30,7 +28,9 @@ from gateway.pricing import (
     input_share,
     per_token,
 )
-from gateway.profiles import ModelProfile, get_gpu
+from gateway.cost.profiles import ModelProfile, get_gpu
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy.model import Policy
 
 
 @dataclass

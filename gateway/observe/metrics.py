@@ -134,14 +134,14 @@ class GatewayMetrics:
             "gateway_gc_frozen_objects",
             "Objects in the permanent generation, which collections do not traverse.",
             registry=r, multiprocess_mode="livesum")
-        # Which encoder counts each model's prompts (gateway/cost/rankbpe.py): 0 where the rank
+        # Which encoder counts each model's prompts (gateway/tokens/rankbpe.py): 0 where the rank
         # encoder does not apply, is still being built, or its canary found a difference.
         self.tokenizer_rank_encoder = Gauge(
             "gateway_tokenizer_rank_encoder",
             "1 while the model's prompts are counted by the rank encoder (tiktoken's core, the "
             "Hugging Face encoder's ids), 0 while by the Hugging Face encoder.",
             ["model"], registry=r, multiprocess_mode="livemin")
-        # Which renders each model's chat template (gateway/cost/native.py): 0 for a template
+        # Which renders each model's chat template (gateway/tokens/native.py): 0 for a template
         # it does not know, `renderer: jinja`, or for good after its canary found a difference.
         self.chat_template_native = Gauge(
             "gateway_chat_template_native",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.protocol import PREFILL_ENDPOINTS
 from gateway.upstream.forward import Relay
+from gateway.wire.openai import PREFILL_ENDPOINTS
 
 
 @dataclass(slots=True)

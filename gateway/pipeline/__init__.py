@@ -8,7 +8,7 @@
     serve.py     `Pipeline.serve`: the stages in order, the end in one place; the variants
 
 Nothing here speaks ASGI: the transport (gateway/api/openai.py) hands in an `Inbound` and a
-`Client` (gateway/inbound.py), and the forwarder writes the engine's answer through the
+`Client` (gateway/pipeline/inbound.py), and the forwarder writes the engine's answer through the
 client's `send`. Refusals are the domain errors of gateway/errors.py; the client turns them
 into HTTP.
 """

@@ -1,6 +1,6 @@
 """The stages that take something the request must give back, and the preview's decision:
 
-    quota      the tenant's token buckets                                 gateway/quotas.py
+    quota      the tenant's token buckets                                 gateway/tenancy/quotas.py
     admit      admit now, queue, or refuse; the backend                   gateway/admission/
     decide     (the preview) what admission would decide now, taking nothing
 

@@ -15,12 +15,12 @@ from typing import Any
 from gateway.admission.pool import Ticket
 from gateway.admission.prefixes import hash_block_size
 from gateway.cost import CostModel
-from gateway.inbound import Client, Inbound
 from gateway.observe.record import Record
+from gateway.pipeline.inbound import Client, Inbound
+from gateway.pipeline.prepared import Prepared, Sent, profile_of
 from gateway.policy import ModelSpec
-from gateway.prepared import Prepared, Sent, profile_of
-from gateway.quotas import QuotaTicket
 from gateway.runtime import Runtime
+from gateway.tenancy.quotas import QuotaTicket
 from gateway.upstream.forward import STAGE_CLOCK, Relay, Upstream
 
 # The stages timed into gateway_request_stage_seconds, in the order a request meets them;

@@ -2,17 +2,17 @@
 
     refuse     an error in OpenAI's shape, unless the answer had started    the transport's Client
     release    the reservation and the quota                                gateway/admission/,
-                                                                            gateway/quotas.py
+                                                                            gateway/tenancy/quotas.py
     observe    metrics, access log, the latency guard                       gateway/observe/
 """
 
 from __future__ import annotations
 
-from gateway.eager import finish
 from gateway.errors import GatewayError, UpstreamError
 from gateway.observe.accesslog import log_record, log_rejection
 from gateway.observe.record import charge_of
 from gateway.pipeline.context import RequestContext, Shared
+from gateway.pipeline.eager import finish
 
 
 async def refuse(sh: Shared, ctx: RequestContext, err: GatewayError) -> None:
@@ -33,7 +33,7 @@ async def refuse(sh: Shared, ctx: RequestContext, err: GatewayError) -> None:
 
 async def release(sh: Shared, ctx: RequestContext) -> None:
     """Give back what `quota` and `admit` took. Finished whatever cancels the request: a
-    second cancellation must not leak a reservation or a quota (gateway/eager.py)."""
+    second cancellation must not leak a reservation or a quota (gateway/pipeline/eager.py)."""
     rt = sh.rt
     if ctx.ticket is not None:
         await finish(rt.admission.release(ctx.ticket))

@@ -2,8 +2,8 @@
 what that answer teaches (the stored response's place, output lengths, the prefix index, the
 accountant), whatever ended it.
 
-    forward    to the engine, the answer relayed as it comes              gateway/upstream/
-    learn      what the answer teaches                                    gateway/affinity.py, ...
+    forward    to the engine, the answer relayed as it comes      gateway/upstream/
+    learn      what the answer teaches                            gateway/routing/affinity.py, ...
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import asyncio
 
 import orjson
 
-from gateway.affinity import Held
 from gateway.observe.record import usage_of
 from gateway.pipeline.context import RequestContext, Shared
-from gateway.prepared import Prepared, Sent, profile_of
-from gateway.protocol import answer_headers
+from gateway.pipeline.prepared import Prepared, Sent, profile_of
+from gateway.routing.affinity import Held
 from gateway.upstream.forward import STAGE_CLOCK, Relay, Upstream
+from gateway.wire.openai import answer_headers
 
 
 async def forward(sh: Shared, ctx: RequestContext) -> None:

@@ -1,26 +1,27 @@
 """The stages before any state changes, the same for serving and for previewing:
 
-    identify   key -> tenant, priority, the caller's queue deadline       gateway/auth.py
-    read       the body, bounded in size and time                         the transport's Client
-    parse      JSON shape limits, then the fields the gateway needs       gateway/protocol.py
-    count      prompt tokens, with the model's tokenizer and template     gateway/prompts.py
-    route      model + prompt length -> pool                              gateway/routing.py
-    estimate   KV blocks and token work                                   gateway/cost/work.py
+    identify   key -> tenant, priority, the caller's queue deadline     gateway/tenancy/auth.py
+    read       the body, bounded in size and time                       the transport's Client
+    parse      JSON shape limits, then the fields the gateway needs     gateway/wire/openai.py
+    count      prompt tokens, with the model's tokenizer and template   gateway/pipeline/prompts.py
+    route      model + prompt length -> pool                            gateway/routing/router.py
+    estimate   KV blocks and token work                                 gateway/cost/work.py
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.affinity import Held
 from gateway.cost import PromptTooLong, RequestCostError
 from gateway.errors import InvalidRequest
-from gateway.inbound import Headers
 from gateway.pipeline.context import RequestContext, Shared
+from gateway.pipeline.inbound import Headers
+from gateway.pipeline.prepared import Caller, Prepared, Work, is_embedding
+from gateway.pipeline.prompts import Prompt, count_prompt
 from gateway.policy import ModelSpec
-from gateway.prepared import Caller, Prepared, Work, is_embedding
-from gateway.prompts import Prompt, count_prompt
-from gateway.protocol import (
+from gateway.routing.affinity import Held
+from gateway.routing.router import Route
+from gateway.wire.openai import (
     Endpoint,
     ParsedRequest,
     ResponsesRequest,
@@ -28,7 +29,6 @@ from gateway.protocol import (
     endpoint_of,
     parse_request,
 )
-from gateway.routing import Route
 
 
 async def prepare(sh: Shared, ctx: RequestContext) -> None:
@@ -79,7 +79,7 @@ def parse(sh: Shared, body: bytes, endpoint: Endpoint | None
 async def count(sh: Shared, model: ModelSpec, data: dict[str, Any], parsed: ParsedRequest,
                 caller: Caller, prior_tokens: int = 0) -> Prompt:
     try:
-        # Long prompts take turns by tenant (gateway/cost/counter.py).
+        # Long prompts take turns by tenant (gateway/tokens/counter.py).
         return await count_prompt(sh.rt.counters[model.name], model, data, parsed,
                                   caller.tenant.name, prior_tokens, sh.hash_block[model.name])
     except RequestCostError as exc:

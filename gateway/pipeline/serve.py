@@ -14,11 +14,11 @@ import logging
 from typing import Any
 
 from gateway.errors import GatewayError, InternalError, ServerBusy
-from gateway.inbound import Client, Inbound
 from gateway.pipeline.admit import admit, decide, quota
 from gateway.pipeline.context import Gate, RequestContext, Shared, Stage
 from gateway.pipeline.finish import observe, refuse, release
 from gateway.pipeline.forward import forward
+from gateway.pipeline.inbound import Client, Inbound
 from gateway.pipeline.prepare import prepare
 from gateway.runtime import Runtime
 from gateway.upstream.forward import ClientGone

@@ -8,7 +8,7 @@ and, with a trace, the probability that the KV demand of `concurrency` requests 
 traffic exceeds the budget. With a price per GPU-hour, each layout's cost per million input and
 output tokens at the planned load (and, with a trace, per million tokens that meet the SLO):
 the roofline is `gateway/planner/throughput.py`, the price of its tokens
-`gateway/planner/token_price.py`, by the gateway's own rule (`gateway/pricing.py`). `plan()` is
+`gateway/planner/token_price.py`, by the gateway's own rule (`gateway/cost/pricing.py`). `plan()` is
 pure and returns a dataclass; `gateway/planner/plan.py` (the command line) prints it as text or
 JSON.
 """
@@ -21,13 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.cost.traces import TraceRequest
-from gateway.planner import throughput, token_price
-from gateway.planner.throughput import Lengths, Throughput
-from gateway.planner.tier import RPS_PER_CPU, TierSize, size_tier
-from gateway.planner.token_price import LayoutPrice
-from gateway.pricing import Price
-from gateway.profiles import (
+from gateway.cost.pricing import Price
+from gateway.cost.profiles import (
     GpuProfile,
     Ledger,
     ModelProfile,
@@ -36,6 +31,11 @@ from gateway.profiles import (
     dtype_bytes,
     ledger,
 )
+from gateway.cost.traces import TraceRequest
+from gateway.planner import throughput, token_price
+from gateway.planner.throughput import Lengths, Throughput
+from gateway.planner.tier import RPS_PER_CPU, TierSize, size_tier
+from gateway.planner.token_price import LayoutPrice
 
 TIER_STATES = tuple(RPS_PER_CPU)
 

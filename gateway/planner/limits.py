@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.cost.pricing import PREFILL_EFFICIENCY
+from gateway.cost.profiles import GpuProfile, ModelProfile, ProfileError, ledger
 from gateway.planner.throughput import Lengths, throughput
-from gateway.pricing import PREFILL_EFFICIENCY
-from gateway.profiles import GpuProfile, ModelProfile, ProfileError, ledger
 
 # The roofline leaves out the TP all-reduce (docs/planner.md, Limits), which a decode step barely
 # notices but a prefill does: two per layer of every prompt token's hidden state, over NVLink

@@ -13,19 +13,20 @@ import json
 import math
 import sys
 
-from gateway import pricing
+from gateway.cost import pricing
+from gateway.cost.pricing import PriceError
+from gateway.cost.profiles import GB, GiB, ModelProfile, ProfileError, get_gpu, get_model
 from gateway.cost.traces import TraceError, read_trace
 from gateway.planner import token_price
 from gateway.planner.capacity import TIER_STATES, PlanInput, PlanResult, plan
 from gateway.planner.tier import MEASURED, STREAMS_PER_WORKER, TierSize
-from gateway.pricing import PriceError
-from gateway.profiles import GB, GiB, ModelProfile, ProfileError, get_gpu, get_model
 
 KiB = 2**10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="profile name from gateway/profiles.py (or give --layers ...)")
+    p.add_argument("--model", help="profile name from gateway/cost/profiles.py "
+                   "(or give --layers ...)")
     arch = p.add_argument_group("architecture (override or replace --model)")
     for flag, help_text in (("--layers", "decoder layers"), ("--heads", "query heads"),
                             ("--kv-heads", "KV heads (GQA)"), ("--head-dim", "head dimension"),
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--vocab", "vocabulary (default 128256)")):
         arch.add_argument(flag, type=int, help=help_text)
     arch.add_argument("--params", type=_params, help="parameters, e.g. 70e9 or 70B")
-    p.add_argument("--gpu", required=True, help="GPU name from gateway/profiles.py")
+    p.add_argument("--gpu", required=True, help="GPU name from gateway/cost/profiles.py")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the deployment (default 8)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default --gpus)")
     p.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp16, fp8, int8, int4")

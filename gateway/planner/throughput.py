@@ -3,7 +3,7 @@
 The planner's ledger (`gateway/planner/capacity.py`) says what fits; this module says how fast a
 layout serves the load: tokens per second, the batch each replica decodes, its time per output
 token. `gateway/planner/token_price.py` then puts a price on those tokens. The efficiency
-constants are the ones the gateway prices its own tokens with (`gateway/pricing.py`).
+constants are the ones the gateway prices its own tokens with (`gateway/cost/pricing.py`).
 
 The roofline, per replica of TP ranks:
   prefill of one request  P    = prefill FLOPs / (peak x TP x PREFILL_EFFICIENCY)
@@ -23,9 +23,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.cost.pricing import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
+from gateway.cost.profiles import GpuProfile, ModelProfile, blocks_for
 from gateway.cost.traces import TraceRequest
-from gateway.pricing import DECODE_EFFICIENCY, PREFILL_EFFICIENCY
-from gateway.profiles import GpuProfile, ModelProfile, blocks_for
 
 # Per decode step, beyond the HBM reads: kernel launches, sampling, the TP all-reduces' latency.
 # A few milliseconds with CUDA graphs; an estimate, not a measurement (docs/planner.md, Limits).

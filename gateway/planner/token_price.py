@@ -1,7 +1,7 @@
 """What each layout's tokens cost at the planned load (`gateway plan`, docs/planner.md, Cost).
 
 `gateway/planner/throughput.py` says how many tokens a layout serves; this module prices them
-by the gateway's own rule (`gateway/pricing.py`, docs/cost.md): the deployment costs GPUs x
+by the gateway's own rule (`gateway/cost/pricing.py`, docs/cost.md): the deployment costs GPUs x
 price per GPU-hour, busy or idle, and that spend is split between input and output tokens by
 `--input-share` or by the estimated GPU time of prefill against decode.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.cost.pricing import ESTIMATED_SHARE, Price, gpu_spend, input_share, per_token
 from gateway.planner.throughput import Lengths, Throughput
-from gateway.pricing import ESTIMATED_SHARE, Price, gpu_spend, input_share, per_token
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from gateway.policy.model import Policy
-from gateway.protocol import loc_path
+from gateway.wire.openai import loc_path
 
 
 class PolicyError(Exception):

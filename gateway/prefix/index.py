@@ -50,7 +50,7 @@ MAX_TABLES = 256
 def table_count(size: int, per_table: int) -> int:
     """How many LRU tables keep `size` entries at most `per_table` each: a power of two (a
     hash's low bits pick its table), at most MAX_TABLES. The block trie and the piece cache
-    (gateway/cost) are cut by the same rule."""
+    (gateway/tokens) are cut by the same rule."""
     n = 1
     while n * per_table < size and n < MAX_TABLES:
         n *= 2

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from gateway.backends import Backend
 from gateway.policy import Policy
 from gateway.prefix.events import EventSource, EventState, Follower
 from gateway.prefix.index import PrefixIndexes
 from gateway.prefix.subscriber import Subscriber
+from gateway.routing.backends import Backend
 
 OnChange = Callable[[str, str], Callable[[Follower], None]]
 

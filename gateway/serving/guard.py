@@ -37,7 +37,7 @@ from typing import Any, cast
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
-from gateway.protocol import error_body, retry_headers
+from gateway.wire.openai import error_body, retry_headers
 
 # After a refusal of its own, how long the guard reads and drops what still comes before it
 # closes the connection.

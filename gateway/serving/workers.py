@@ -37,8 +37,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STOP_TIMEOUT_S = 15.0
 
 
-PARENT_ENV = "GATEWAY_WORKERS_PARENT"
-
 # What each worker process runs: (the shared listening socket, serve()'s keyword arguments).
 # Passed in by `gateway serve` (a module-level function, so `spawn` can pickle it), which
 # keeps this module free of the app it serves.

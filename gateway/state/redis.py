@@ -165,7 +165,7 @@ async def _within(call: Awaitable[T], timeout_s: float) -> T:
     """`call` under a deadline that holds whichever task awaits it.
 
     `asyncio.timeout` cancels the task that entered it, and a release a request's `finally`
-    runs eagerly is continued, once it waits, in a task of its own (gateway/eager.py
+    runs eagerly is continued, once it waits, in a task of its own (gateway/pipeline/eager.py
     `finish`): the deadline then cancelled the request's task instead, which had finished
     (a CancelledError out of the server, logged with a traceback, as a cluster primary was
     killed under load), and no longer bounded the call. The call runs as a task of its own

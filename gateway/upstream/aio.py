@@ -153,9 +153,9 @@ class AioClient:
 
     async def probe(self, url: str, auth_header: str | None, timeout_s: float
                     ) -> tuple[bool, str]:
-        """A health probe (gateway/backends.py): up when `url` answers 200 within `timeout_s`.
-        A redirect is not followed, as requests' are not: the backend is down until its url is
-        where the engine answers."""
+        """A health probe (gateway/routing/backends.py): up when `url` answers 200 within
+        `timeout_s`. A redirect is not followed, as requests' are not: the backend is down until
+        its url is where the engine answers."""
         headers = {"authorization": auth_header} if auth_header else None
         try:
             async with self.session.get(url, headers=headers, allow_redirects=False,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.protocol import error_body, error_type, retry_headers
 from gateway.upstream.sse import has_error, split_events
+from gateway.wire.openai import error_body, error_type, retry_headers
 
 
 def engine_error(status: int, body: bytes, backend: str) -> bytes:
@@ -65,7 +65,7 @@ def engine_error_headers(status: int, headers: dict[str, str]) -> None:
     except ValueError:
         return  # an HTTP date: passed on as it is
     # Whatever number the engine said (infinite, negative, not one): the gateway's headers
-    # for it, within their ceiling (gateway/protocol.py RETRY_AFTER_MAX_S).
+    # for it, within their ceiling (gateway/wire/openai.py RETRY_AFTER_MAX_S).
     headers.update((k.decode(), v.decode()) for k, v in retry_headers(seconds))
 
 

@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Send
 
-from gateway import anthropic
-from gateway.backends import Backend
 from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
-from gateway.protocol import error_body, sse_error_frame
-from gateway.routing import Router
+from gateway.routing.backends import Backend
+from gateway.routing.router import Router
 from gateway.upstream import engine_errors as errs
 from gateway.upstream.aio import AioClient, Whole
 from gateway.upstream.base import Answer, Client
@@ -46,6 +44,8 @@ from gateway.upstream.sse import (
     has_usage,
     usage_events,
 )
+from gateway.wire import anthropic
+from gateway.wire.openai import error_body, sse_error_frame
 
 if TYPE_CHECKING:
     from gateway.admission.pool import Ticket
@@ -59,7 +59,7 @@ _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
 # are content_block_delta events.
 _FIRST_TOKEN: dict[str, bytes] = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
 _EVENTS: dict[str, bytes] = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
-# Endpoints whose callers read errors in Anthropic's shape (gateway/anthropic.py): an engine's
+# Endpoints whose callers read errors in Anthropic's shape (gateway/wire/anthropic.py): an engine's
 # error body and a broken stream's error event are written in it.
 _ANTHROPIC_ERRORS = frozenset({"messages"})
 

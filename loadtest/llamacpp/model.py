@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.cost.loading import builtin_qwen3_dir
-from gateway.cost.templates import load_chat_template
+from gateway.tokens.loading import builtin_qwen3_dir
+from gateway.tokens.templates import load_chat_template
 
 # gguf-py/gguf/constants.py: TokenType (NORMAL 1, CONTROL 3, USER_DEFINED 4).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4

@@ -1,7 +1,7 @@
 """`loadtest sim`: run a simulated vLLM-like engine (OpenAI API) until SIGINT/SIGTERM.
 
 Engine flags mirror `vllm serve` (unset ones take vLLM's defaults for the GPU); the profile
-flags pick rows of gateway/profiles.py. Example, a 70B model on one 8xH100 node, slowed 10x:
+flags pick rows of gateway/cost/profiles.py. Example, a 70B model on one 8xH100 node, slowed 10x:
 
     loadtest sim --model llama-3-70b --gpu h100-sxm-80gb --tp 8 --time-scale 10 --port 8001
 """
@@ -12,10 +12,10 @@ import argparse
 import asyncio
 import logging
 
-from gateway.profiles import GPUS, MODELS
+from gateway.cost.profiles import GPUS, MODELS
 from loadtest.sim.config import DTYPES, KV_CACHE_DTYPES, ConfigError, SimConfig
-from loadtest.sim.endpoints import EndpointOptions
 from loadtest.sim.faults import FaultSettings
+from loadtest.sim.host import EndpointOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@
 `EngineSpec` in which every number is concrete:
 
 - `max_num_batched_tokens` / `max_num_seqs`: vLLM's per-device defaults for the OpenAI server
-  (`gateway.profiles.vllm_batch_defaults`);
-- `num_gpu_blocks`: the memory ledger (`gateway.profiles.ledger`), as vLLM's profiling run does;
+  (`gateway.cost.profiles.vllm_batch_defaults`);
+- `num_gpu_blocks`: the memory ledger (`gateway.cost.profiles.ledger`), as vLLM's profiling run
+  does;
 - `max_model_len`: the model's context window, cut to what the KV cache holds when not given
   (vLLM refuses to start instead; a simulator with `--num-gpu-blocks 64` should just work).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.profiles import (
+from gateway.cost.profiles import (
     GpuProfile,
     ModelProfile,
     ProfileError,

@@ -29,11 +29,12 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
-from gateway.cost import RequestCostError, openai_messages
+from gateway.cost import RequestCostError
+from gateway.tokens import openai_messages
 from loadtest.sim import prompts
 from loadtest.sim.asgi import (
     Receive,
@@ -44,6 +45,7 @@ from loadtest.sim.asgi import (
     respond_cut,
     watch_disconnect,
 )
+from loadtest.sim.host import Host
 from loadtest.sim.multimodal import keyed
 from loadtest.sim.protocol import (
     ApiError,
@@ -54,9 +56,6 @@ from loadtest.sim.protocol import (
     parse_json,
 )
 from loadtest.sim.scheduler import SimRequest, Status
-
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
 
 
 def pseudo_embedding(key: bytes, dim: int) -> list[float]:
@@ -109,7 +108,7 @@ P = TypeVar("P")
 
 
 async def serve_prefills(
-        app: SimApp, receive: Receive, send: Send, parse: Callable[[dict[str, Any]], P],
+        app: Host, receive: Receive, send: Send, parse: Callable[[dict[str, Any]], P],
         measure: Callable[[P], Awaitable[tuple[list[Measured], Callable[[], bytes]]]]) -> None:
     """One pooling request (an embedding, a rerank, a score, a classification): its body
     parsed, the fault drawn, its prompts measured and entered into the engine as prefills, and
@@ -162,7 +161,7 @@ async def serve_prefills(
 
 
 class Embeddings:
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
         self._specials: int | None = None
 
@@ -191,7 +190,7 @@ class Embeddings:
         """(prompt tokens, block hashes, vector key) of each prompt; checks their lengths."""
         app = self.app
         counter = app.counter
-        assert counter is not None, "SimApp.startup() was not run"
+        assert counter is not None, "Host.startup() was not run"
         spec = app.spec
         block = spec.block_size
         caching = spec.enable_prefix_caching

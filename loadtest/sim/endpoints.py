@@ -7,61 +7,26 @@
     POST /v1/messages, POST /v1/messages/count_tokens                          messages.py
 
 Image parts of chat and Responses messages cost `image_tokens` prompt tokens each
-(multimodal.py).
+(multimodal.py). The handlers are handed their app as a `Host` (host.py, with their options).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import orjson
 
 from loadtest.sim.asgi import Handler, Receive, Scope, Send, respond
-from loadtest.sim.config import ConfigError
 from loadtest.sim.embeddings import Embeddings
+from loadtest.sim.host import Host
 from loadtest.sim.messages import Messages
 from loadtest.sim.pooling import Pooling
 from loadtest.sim.responses import RESPONSES_PREFIX, Responses
 from loadtest.sim.tokenization import Tokenization
 
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointOptions:
-    # Prompt tokens an image costs: 576 is LLaVA-1.5's 24 x 24 patches of a 336 px image.
-    image_tokens: int = 576
-    # Dimension of the pseudo-embeddings /v1/embeddings answers with.
-    embedding_dim: int = 32
-    # Stored responses (store: true): the most recent this many, each for this long after its
-    # last update, and at most this many bytes of conversation in all.
-    responses_store_max: int = 10_000
-    responses_store_ttl_s: float = 3600.0
-    responses_store_max_bytes: int = 256 * 2**20
-    # usage.prompt_tokens_details.cached_tokens, as vLLM's --enable-prompt-tokens-details
-    # (off by default in vLLM; on here, where tests compare it with the gateway's prediction).
-    enable_prompt_tokens_details: bool = True
-
-    def check(self) -> None:
-        if self.image_tokens < 0:
-            raise ConfigError(f"--image-tokens: must be 0 or more, got {self.image_tokens}")
-        if self.embedding_dim <= 0:
-            raise ConfigError(f"--embedding-dim: must be a positive integer, "
-                              f"got {self.embedding_dim}")
-        if self.responses_store_max < 0:
-            raise ConfigError(f"--responses-store-max: must be 0 or more, "
-                              f"got {self.responses_store_max}")
-        if not self.responses_store_ttl_s > 0:
-            raise ConfigError(f"--responses-store-ttl-s: must be positive, "
-                              f"got {self.responses_store_ttl_s}")
-
 
 class Endpoints:
     """The handlers of one app's extra endpoints."""
 
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: Host) -> None:
         self.responses = Responses(app)
         self.embeddings = Embeddings(app)
         self.tokenization = Tokenization(app)

@@ -5,7 +5,7 @@ serving.py, api_router.py).
     POST /v1/messages/count_tokens     {"input_tokens": N, "context_management": {...}}
 
 vLLM converts the body into a chat completion request (`to_chat_completion_request`) and serves
-that: here the conversion is the gateway's (gateway/cost/anthropic.py, written from the same
+that: here the conversion is the gateway's (gateway/tokens/anthropic.py, written from the same
 source), the chat request is read by the simulator's own chat parser and runs through the same
 engine as a chat request (frontend time, `--max-num-queued-reqs`, the scheduler). Its output is
 the filler text, one word per token.
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from gateway.cost import RequestCostError
-from gateway.cost.anthropic import chat_form, merges_inline_system
+from gateway.tokens.anthropic import chat_form, merges_inline_system
 from loadtest.sim import sse
 from loadtest.sim.asgi import (
     SSE_HEADERS,
@@ -41,6 +41,7 @@ from loadtest.sim.asgi import (
     respond_cut,
     watch_disconnect,
 )
+from loadtest.sim.host import Host
 from loadtest.sim.protocol import (
     ERROR_TYPES,
     ApiError,
@@ -52,9 +53,6 @@ from loadtest.sim.protocol import (
     parse_json,
 )
 from loadtest.sim.scheduler import SimRequest, Status
-
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -79,7 +77,7 @@ def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[st
 
 
 class Messages:
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
 
     def _chat(self, body: dict[str, Any], count_only: bool) -> ParsedRequest:
@@ -93,7 +91,7 @@ class Messages:
         max_tokens = body.get("max_tokens")
         if not count_only and (type(max_tokens) is not int or max_tokens <= 0):
             raise bad_request("max_tokens must be positive", "max_tokens")
-        assert self.app.counter is not None, "SimApp.startup() was not run"
+        assert self.app.counter is not None, "Host.startup() was not run"
         try:
             form = chat_form(body, merges_inline_system(self.app.counter.tokenizer))
         except (RequestCostError, KeyError, TypeError, AttributeError) as exc:
@@ -114,7 +112,7 @@ class Messages:
             body = parse_json(await read_body(receive))
             parsed = self._chat(body, count_only=True)
             check_model(parsed.model, app.spec.served_model_name)
-            tokens, _, _ = await app._measure(parsed)
+            tokens, _, _ = await app.measure(parsed)
         except ApiError as exc:
             await respond(send, exc.status, error_body(exc.status, exc.message))
             return
@@ -131,7 +129,7 @@ class Messages:
             faults = app.faults.draw()
             if faults.fail:
                 raise ApiError(500, "Simulated engine failure (fault injection: fail_rate).")
-            tokens, hashes, ids = await app._measure(parsed)
+            tokens, hashes, ids = await app.measure(parsed)
             error = context_length_error(app.spec.max_model_len, tokens, parsed.max_tokens)
             if error is not None:
                 raise error
@@ -176,7 +174,7 @@ class Messages:
         n = request.num_output_tokens
         message = self._message(request, sse.filler_text(n),
                                 STOP_REASONS.get(request.finish_reason or "length"))
-        message["usage"] = usage(request.prompt_tokens, n, self.app._cached_tokens(request))
+        message["usage"] = usage(request.prompt_tokens, n, self.app.cached_tokens(request))
         body = orjson.dumps(message)
         if drop:
             await respond_cut(send, body)
@@ -217,7 +215,7 @@ class Messages:
                     "delta": {"stop_reason": STOP_REASONS.get(request.finish_reason or "length"),
                               "stop_sequence": None},
                     "usage": usage(request.prompt_tokens, produced,
-                                   self.app._cached_tokens(request))}))
+                                   self.app.cached_tokens(request))}))
                 out.append(event("message_stop", {"type": "message_stop"}))
                 await send({"type": "http.response.body", "body": b"".join(out),
                             "more_body": False})

@@ -21,13 +21,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from loadtest.sim import prompts
 from loadtest.sim.asgi import Receive, Scope, Send
 from loadtest.sim.embeddings import Measured, pseudo_embedding, serve_prefills
+from loadtest.sim.host import Host
 from loadtest.sim.multimodal import IMAGE_PARTS
 from loadtest.sim.protocol import (
     EmbeddingsParsed,
@@ -35,9 +36,6 @@ from loadtest.sim.protocol import (
     check_model,
     parse_embeddings,
 )
-
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
 
 # The names a score request may give its two sides, in the order vLLM's union tries them.
 SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
@@ -113,7 +111,7 @@ def parse_pairs(body: Mapping[str, Any], rerank: bool) -> Pairs:
 class Pooling:
     """The handlers of /v1/rerank, /v1/score, /classify and /pooling."""
 
-    def __init__(self, app: SimApp, measure_prompts: Callable[
+    def __init__(self, app: Host, measure_prompts: Callable[
             [EmbeddingsParsed], Awaitable[list[tuple[int, list[int], bytes]]]]) -> None:
         self.app = app
         self._measure_prompts = measure_prompts  # Embeddings.measure
@@ -147,7 +145,7 @@ class Pooling:
     async def _measure_pairs(self, parsed: Pairs) -> tuple[list[Measured], Callable[[], bytes]]:
         app = self.app
         counter = app.counter
-        assert counter is not None, "SimApp.startup() was not run"
+        assert counter is not None, "Host.startup() was not run"
         texts: dict[str, int] = {}
         for item in (*parsed.first, *parsed.second):
             texts.setdefault(self._text(item), 0)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.cost.templates import request_template_kwargs
+from gateway.tokens.templates import request_template_kwargs
 from loadtest.sim.multimodal import ImageError, ImageKeys, split_images
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
@@ -112,7 +112,7 @@ def parse_chat(body: Mapping[str, Any]) -> ParsedRequest:
         raise _validation_error("dict_type", "chat_template_kwargs",
                                 "Input should be a valid dictionary")
     # The request fields vLLM passes to the template too, merged as vLLM merges them, so the
-    # engine's count and the gateway's agree (gateway.cost.templates.request_template_kwargs).
+    # engine's count and the gateway's agree (gateway.tokens.templates.request_template_kwargs).
     _bool_field(body, "add_generation_prompt")
     _bool_field(body, "continue_final_message")
     if body.get("continue_final_message") and body.get("add_generation_prompt"):

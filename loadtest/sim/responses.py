@@ -40,11 +40,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from gateway.cost import RequestCostError, openai_messages
+from gateway.cost import RequestCostError
+from gateway.tokens import openai_messages
 from loadtest.sim import prompts, sse
 from loadtest.sim.asgi import (
     SSE_HEADERS,
@@ -58,6 +59,7 @@ from loadtest.sim.asgi import (
     watch_disconnect,
 )
 from loadtest.sim.faults import RequestFaults
+from loadtest.sim.host import Host
 from loadtest.sim.multimodal import ImageError, keyed, split_images
 from loadtest.sim.protocol import (
     ApiError,
@@ -68,9 +70,6 @@ from loadtest.sim.protocol import (
     parse_responses,
 )
 from loadtest.sim.scheduler import SimRequest, Status
-
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
 
 RESPONSES_PREFIX = "/v1/responses/"
 INVALID = "invalid_request_error"  # the error `type` vLLM's Responses API gives its own checks
@@ -428,7 +427,7 @@ class ResponseStore:
 # -- the handlers ------------------------------------------------------------------------------
 
 class Responses:
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
         options = app.options
         self.store = ResponseStore(options.responses_store_max, options.responses_store_ttl_s,
@@ -478,7 +477,7 @@ class Responses:
     async def _measure(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        parsed: ResponsesParsed) -> tuple[int, list[int]]:
         app = self.app
-        assert app.counter is not None, "SimApp.startup() was not run"
+        assert app.counter is not None, "Host.startup() was not run"
         # ResponsesRequest.build_chat_params: a partial assistant message last is continued.
         continue_final = continues_final_message(parsed.input)
         kwargs: dict[str, Any] = {"add_generation_prompt": not continue_final,

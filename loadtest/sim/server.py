@@ -9,7 +9,8 @@ that handler's event. Handlers never touch the scheduler except to add or abort 
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics, and GET|POST|DELETE /admin/faults, GET /admin/state (see docs/simulator.md); the
-Responses API, embeddings and tokenization are in endpoints.py and the modules it names.
+Responses API, embeddings and tokenization are in endpoints.py and the modules it names, which
+know `SimApp` only as host.py's `Host`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Any
 import orjson
 import uvicorn
 
-from gateway.cost import (
+from gateway.cost import RequestCostError
+from gateway.tokens import (
     HFTokenizer,
-    RequestCostError,
     TokenCounter,
     Tokenizer,
     chat_chars,
@@ -38,7 +39,7 @@ from gateway.cost import (
 )
 from loadtest.sim import multimodal, prompts, sse
 from loadtest.sim.config import SimConfig
-from loadtest.sim.endpoints import EndpointOptions, Endpoints
+from loadtest.sim.endpoints import Endpoints
 from loadtest.sim.engine import EngineCore
 from loadtest.sim.faults import (
     FaultError,
@@ -48,6 +49,7 @@ from loadtest.sim.faults import (
     Wire,
     parse_update,
 )
+from loadtest.sim.host import EndpointOptions
 from loadtest.sim.kv_events import KVEventPublisher, run_replay
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.outputs import OutputLengths
@@ -250,7 +252,7 @@ class SimApp:
             faults = self.faults.draw()
             if faults.fail:
                 raise ApiError(500, "Simulated engine failure (fault injection: fail_rate).")
-            prompt_tokens, hashes, prompt_ids = await self._measure(parsed)
+            prompt_tokens, hashes, prompt_ids = await self.measure(parsed)
             error = context_length_error(self.spec.max_model_len, prompt_tokens,
                                          parsed.max_tokens)
             if error is not None:
@@ -311,7 +313,7 @@ class SimApp:
             self.core.abort(request)
             self._wake.set()
 
-    async def _measure(self, parsed: ParsedRequest) -> tuple[int, list[int], Sequence[int]]:
+    async def measure(self, parsed: ParsedRequest) -> tuple[int, list[int], Sequence[int]]:
         """Exact prompt tokens (the gateway's tokenizer), block hashes for prefix caching, and
         the prompt's token ids where they are known (for the KV events' BlockStored)."""
         assert self.counter is not None, "SimApp.startup() was not run"
@@ -416,7 +418,7 @@ class SimApp:
             if done:
                 if parsed.include_usage:
                     out.append(frames.usage(request.prompt_tokens, request.num_output_tokens,
-                                            self._cached_tokens(request)))
+                                            self.cached_tokens(request)))
                 out.append(sse.DONE)
                 await wire.write(b"".join(out), False)
                 return
@@ -434,7 +436,7 @@ class SimApp:
         build = sse.chat_response if chat else sse.completion_response
         body = build(request.request_id, self.spec.served_model_name, request.prompt_tokens,
                      request.num_output_tokens, request.finish_reason or "length",
-                     self._cached_tokens(request))
+                     self.cached_tokens(request))
         if faults.drop_after is not None:
             # Promise the whole body, send half of it, return: the client sees a cut response.
             await send({"type": "http.response.start", "status": 200,
@@ -444,7 +446,7 @@ class SimApp:
             return
         await _respond(send, 200, body)
 
-    def _cached_tokens(self, request: SimRequest) -> int:
+    def cached_tokens(self, request: SimRequest) -> int:
         """What vLLM reports as usage.prompt_tokens_details.cached_tokens: the prefix-cache hit
         at the request's first scheduling, with --enable-prompt-tokens-details."""
         if not self.options.enable_prompt_tokens_details:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.profiles import GpuProfile, ModelProfile
+from gateway.cost.profiles import GpuProfile, ModelProfile
 
 # Fraction of the dense tensor-core peak the prefill GEMMs reach (cuBLAS/CUTLASS on Hopper reach
 # 60-70% on large shapes, less on the narrow per-rank shapes of high TP).

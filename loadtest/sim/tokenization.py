@@ -15,12 +15,14 @@ image's cost is counted by the generation endpoints instead).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from gateway.cost import HFTokenizer, RequestCostError, TokenizerError, openai_messages
+from gateway.cost import RequestCostError, TokenizerError
+from gateway.tokens import HFTokenizer, openai_messages
 from loadtest.sim.asgi import Receive, Scope, Send, read_body, respond
+from loadtest.sim.host import Host
 from loadtest.sim.multimodal import ImageError, split_images
 from loadtest.sim.protocol import (
     ApiError,
@@ -32,12 +34,9 @@ from loadtest.sim.protocol import (
     parse_tokenize,
 )
 
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimApp
-
 
 class Tokenization:
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
 
     def _tokenizer(self) -> HFTokenizer:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.cost.loading import builtin_qwen3_dir
+from gateway.tokens.loading import builtin_qwen3_dir
 
 FORMAT = 1  # bumped whenever what write_tiny_model writes changes: a new cache key
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")

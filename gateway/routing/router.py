@@ -37,10 +37,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from gateway.backends import Backend, Backends
 from gateway.errors import InvalidRequest, ModelNotFound, NoBackendAvailable
 from gateway.policy import ModelSpec, Policy
 from gateway.records import record
+from gateway.routing.backends import Backend, Backends
 from gateway.signals.blocks import EngineBlocks
 
 

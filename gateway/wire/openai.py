@@ -15,11 +15,11 @@ from typing import Annotated, Any, ClassVar, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from gateway.anthropic import CountTokensRequest, MessagesRequest
-from gateway.cost.templates import request_template_kwargs
 from gateway.errors import InvalidRequest, RateWindow
-from gateway.pooling import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
 from gateway.records import record
+from gateway.tokens.templates import request_template_kwargs
+from gateway.wire.anthropic import CountTokensRequest, MessagesRequest
+from gateway.wire.pooling import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
 
 
 def error_body(message: str, type_: str, param: str | None = None,
@@ -268,7 +268,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "self",
                                        "special_tokens"})
 ParsedRequest = (ChatRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
                  | PoolingRequest | MessagesRequest | CountTokensRequest)
-_MODELS.update(messages=MessagesRequest)  # Anthropic's Messages API (gateway/anthropic.py)
+_MODELS.update(messages=MessagesRequest)  # Anthropic's Messages API (gateway/wire/anthropic.py)
 _MODELS.update(chat=ChatCompletionRequest, completions=CompletionRequest,
                responses=ResponsesRequest, embeddings=EmbeddingsRequest,
                rerank=RerankRequest, score=ScoreRequest, classify=ClassifyRequest)
@@ -399,7 +399,7 @@ def template_kwargs(data: Mapping[str, Any]) -> dict[str, Any]:
     """The chat template's arguments as vLLM builds them from this body: the caller's
     `chat_template_kwargs` (refused where they would set what we set) under the request's
     own `add_generation_prompt`, `continue_final_message`, `documents` and `reasoning_effort`
-    (gateway.cost.templates.request_template_kwargs says how vLLM merges them)."""
+    (gateway.tokens.templates.request_template_kwargs says how vLLM merges them)."""
     kwargs = data.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):

@@ -48,10 +48,10 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.cost.memory import trim
-from gateway.cost.threads import below_the_loop
+from gateway.tokens.memory import trim
+from gateway.tokens.threads import below_the_loop
 
-log = logging.getLogger("gateway.cost")
+log = logging.getLogger("gateway.tokens")
 
 # One encoded piece in this many is encoded again by the Hugging Face encoder when the rank
 # encoder did it: a difference switches that tokenizer back for good.

@@ -42,7 +42,7 @@ from gateway.cost.errors import TemplateError
 # The names a message's reasoning arrives under; transformers copies it under the first two.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
-# The models' own templates shipped in gateway/cost/chat_templates/ (README: where each text
+# The models' own templates shipped in gateway/tokens/chat_templates/ (README: where each text
 # comes from). Llama 3.3 70B Instruct carries Llama 3.1's template unchanged.
 BUILTIN_TEMPLATES = {
     "qwen2.5": "qwen2.5.jinja",
@@ -367,7 +367,7 @@ def load_chat_template(spec: str) -> str:
     name = spec.strip()
     builtin = BUILTIN_TEMPLATES.get(name)
     if builtin is not None:
-        return resources.files("gateway.cost").joinpath("chat_templates", builtin) \
+        return resources.files("gateway.tokens").joinpath("chat_templates", builtin) \
             .read_text(encoding="utf-8")
     path = Path(name).expanduser()
     if not path.is_file():

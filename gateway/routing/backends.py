@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy import BackendSpec, Policy, PoolSpec
 
-log = logging.getLogger("gateway.backends")
+log = logging.getLogger("gateway.routing.backends")
 
 Clock = Callable[[], float]
 # One health probe: (url, the backend's authorization header, timeout in seconds) -> (up, what

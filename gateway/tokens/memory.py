@@ -1,7 +1,7 @@
 """Give freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing to do).
 
 glibc keeps what a thread freed in that thread's arena: after one 1.7 MB prompt's encoding
-+220 MB of RSS stayed (gateway/cost/counter.py), and after the rank encoder's build, which
++220 MB of RSS stayed (gateway/tokens/counter.py), and after the rank encoder's build, which
 parses the whole tokenizer.json, +62 MB (135 -> 131 MB with a trim after it, measured here).
 `trim()` after such work returns it.
 """

@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.admission.pool import Ask
-from gateway.affinity import Held
 from gateway.cost import RequestCost
+from gateway.cost.profiles import ModelProfile, get_model
+from gateway.pipeline.prompts import Prompt
 from gateway.policy import ModelSpec
 from gateway.policy.model import TenantSpec
-from gateway.pooling import ClassifyRequest, RerankRequest, ScoreRequest
-from gateway.profiles import ModelProfile, get_model
-from gateway.prompts import Prompt
-from gateway.protocol import EmbeddingsRequest, Endpoint, ParsedRequest
 from gateway.records import record
-from gateway.routing import Route
+from gateway.routing.affinity import Held
+from gateway.routing.router import Route
+from gateway.wire.openai import EmbeddingsRequest, Endpoint, ParsedRequest
+from gateway.wire.pooling import ClassifyRequest, RerankRequest, ScoreRequest
 
 _FALLBACK_PROFILE = "llama-3-8b"  # models without an architecture: blocks are nominal
 
@@ -28,7 +28,7 @@ class Caller:
 
 @record
 class Work:
-    """The token and KV work a request brings (not money: gateway/pricing.py is money)."""
+    """The token and KV work a request brings (not money: gateway/cost/pricing.py is money)."""
 
     cost: RequestCost
     sequences: int  # prompts x n: the engine runs each as its own sequence

@@ -1,6 +1,6 @@
 """A prompt's token count and block hashes through a trie of its rendered pieces.
 
-A conversation re-sends its whole history every turn. The piece cache (gateway/cost/tokenizer.py)
+A conversation re-sends its whole history every turn. The piece cache (gateway/tokens/tokenizer.py)
 spares re-encoding it, but hashing its ids again for prefix routing costs ~20 ns a token: 0.35 ms
 of a 16K-token history every turn, for blocks whose hashes were known the turn before. The
 rendered prompt is cut at the template's special tokens into pieces; a node here is the state
@@ -13,10 +13,10 @@ to that).
 
 `Walk` splits the work where it is cheapest: the walk over known pieces is Python and short, so
 the counter runs it on the event loop; what is left (encoding new pieces, hashing their blocks)
-runs inline when it is small and in a worker thread when it is not (gateway/cost/counter.py).
+runs inline when it is small and in a worker thread when it is not (gateway/tokens/counter.py).
 
 A walk may start part-way, at a position a conversation's earlier messages reached
-(gateway/cost/turns.py), so a seen history is neither rendered nor walked again; the steps a
+(gateway/tokens/turns.py), so a seen history is neither rendered nor walked again; the steps a
 walk takes are then handed to a `Learn` callback, which remembers the new messages' positions.
 """
 

@@ -1,6 +1,6 @@
 """Tokenizers that count a request's prompt tokens exactly as the engine will.
 
-`load_tokenizer(spec)` (gateway/cost/loading.py) makes an `HFTokenizer` from what the policy
+`load_tokenizer(spec)` (gateway/tokens/loading.py) makes an `HFTokenizer` from what the policy
 names for a model. `chat_template=` replaces the tokenizer's own template with the one the model
 is served with (`load_chat_template`): Qwen2.5 counted with the Qwen3 files needs Qwen2.5's
 template, whose default system prompt Qwen3's lacks.
@@ -25,12 +25,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as RustTokenizer
 
-from gateway.cost import rankbpe
-from gateway.cost.blocks import BlockChains, PromptWalk
 from gateway.cost.errors import TemplateError, TokenizerError
-from gateway.cost.native import NativeTemplate, native_template
-from gateway.cost.pieces import PieceCache
-from gateway.cost.templates import (
+from gateway.tokens import rankbpe
+from gateway.tokens.blocks import BlockChains, PromptWalk
+from gateway.tokens.native import NativeTemplate, native_template
+from gateway.tokens.pieces import PieceCache
+from gateway.tokens.templates import (
     compile_template,
     continued_field,
     plain,
@@ -39,7 +39,7 @@ from gateway.cost.templates import (
     select_template,
     template_variables,
 )
-from gateway.cost.turns import Learning, Resumed, Turns, first_characters, root_of
+from gateway.tokens.turns import Learning, Resumed, Turns, first_characters, root_of
 
 # Characters of rendered text whose piece counts are kept; 32M characters is ~8M tokens of
 # history at a few tens of bytes of bookkeeping per piece plus the hash key.

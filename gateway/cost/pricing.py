@@ -1,7 +1,7 @@
 """Money: what the GPUs cost, and how that spend becomes a price per token.
 
-`gateway/cost/` is the work a request brings (KV blocks, tokens); this module is the money, and
-the one rule that the three places putting a price on tokens share: the gateway at run time
+`work.py` beside it is the work a request brings (KV blocks, tokens); this module is the money,
+and the one rule that the three places putting a price on tokens share: the gateway at run time
 (`gateway/observe/accounting.py`), the capacity planner (`gateway/planner/`) and the load tester
 (`loadtest/pricing.py`); docs/cost.md, docs/planner.md and docs/loadtest.md describe each.
 

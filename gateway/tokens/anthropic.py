@@ -50,7 +50,7 @@ class ChatForm:
 
 
 def chat_form(data: Mapping[str, Any], merge_inline_system: bool) -> ChatForm:
-    """`data`, a Messages or count_tokens body that passed gateway/anthropic.py's models, in
+    """`data`, a Messages or count_tokens body that passed gateway/wire/anthropic.py's models, in
     the chat form vLLM renders. Raises RequestCostError for what the engine would refuse."""
     messages: list[dict[str, Any]] = []
     raw = data.get("messages") or []

@@ -3,7 +3,7 @@
 Keys are stored in the policy as SHA-256 hex digests, never in plain text; a presented key is
 hashed and looked up, then confirmed with a constant-time comparison. The caller's key is
 never forwarded, logged or used as a label: tenants appear in metrics by their policy name.
-Token quotas are gateway/quotas.py's.
+Token quotas are gateway/tenancy/quotas.py's.
 """
 
 from __future__ import annotations

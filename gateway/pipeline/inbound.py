@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from gateway.errors import GatewayError
-from gateway.protocol import Endpoint
 from gateway.records import record
 from gateway.upstream.forward import Send
+from gateway.wire.openai import Endpoint
 
 Headers = Mapping[bytes, bytes]
 

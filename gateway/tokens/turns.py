@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from gateway.cost.blocks import (
+from gateway.tokens.blocks import (
     ROOT,
     BlockChains,
     BlockTables,
@@ -46,7 +46,7 @@ from gateway.cost.blocks import (
     Walk,
     root_key,
 )
-from gateway.cost.native import Settled
+from gateway.tokens.native import Settled
 
 DEFAULT_MAX_TURNS = 200_000
 DEFAULT_MAX_BLOCKS = 1_000_000
@@ -79,7 +79,7 @@ class Turn:
 class Resumed:
     """A prompt's walk from a known position, with what is after it (the position's carry and
     the render of the new messages) left whole until `finish` cuts and walks it, in a worker
-    where the new text is long (gateway/cost/counter.py)."""
+    where the new text is long (gateway/tokens/counter.py)."""
 
     __slots__ = ("_block_size", "_chains", "_learn", "_piece_ids", "_specials", "_splitter",
                  "_start", "_text", "_turn", "left_chars")
@@ -116,7 +116,7 @@ def message_key(chain: int, message: Any) -> int | None:
 
     A message of a role and a string content, the most common by far, is keyed by the two
     strings; any other by its JSON text, which holds every field the template may read. A
-    tool call's arguments were parsed by `json.loads` (gateway/cost/templates.py), which reads
+    tool call's arguments were parsed by `json.loads` (gateway/tokens/templates.py), which reads
     NaN, which orjson writes as null: a message with a null in it is keyed by the standard
     library's text, which tells the two apart.
     """

@@ -3,7 +3,7 @@
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (served by vLLM since 0.10 as
 vllm/entrypoints/anthropic/) are read only as far as the gateway needs them: the model, the
 messages, `max_tokens`, `stream`; unknown fields pass through to the engine, as on the OpenAI
-endpoints (gateway/protocol.py). Types are checked as vLLM's request models check them, so
+endpoints (gateway/wire/openai.py). Types are checked as vLLM's request models check them, so
 what the engine would refuse with a 400 the gateway refuses first, before counting.
 
 Errors on these endpoints are Anthropic's `{"type": "error", "error": {"type", "message"}}`,
@@ -110,7 +110,7 @@ def error_event(message: str, type_: str = "api_error") -> bytes:
 
 
 def reshaped_error(status: int, openai_body: bytes) -> bytes:
-    """An error body in OpenAI's shape (gateway/protocol.py `error_body`, as the gateway renders
+    """An error body in OpenAI's shape (gateway/wire/openai.py `error_body`, as the gateway renders
     its own errors and the engines') in Anthropic's, its message kept."""
     try:
         data = orjson.loads(openai_body)

@@ -6,7 +6,7 @@ gateway is relaying. So encoding runs in a small thread pool: the Rust encoder r
 worker and pay to pickle every request into (benchmarks/tokenize_bench.py measured both; it
 is in git history).
 The template render and cache lookups (a 16K-token history of 17 messages: ~0.2 ms hot and
-~0.5 cold with gateway/cost/native.py's render, ~0.6 / ~1.0 ms with Jinja's) are Python and
+~0.5 cold with gateway/tokens/native.py's render, ~0.6 / ~1.0 ms with Jinja's) are Python and
 hold the GIL in the worker; the loop can wait for it up to the interpreter's switch interval
 (5 ms by default), so the server should lower it (`sys.setswitchinterval(0.001)`). Rendering
 on the loop instead was measured too: requests arriving together then render back to back in
@@ -34,12 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.cost.errors import PromptTooLong, RequestCostError
-from gateway.cost.estimator import CharRatioEstimator, chat_chars
-from gateway.cost.memory import trim
-from gateway.cost.threads import below_the_loop
-from gateway.cost.tokenizer import HFTokenizer, Tokenizer
 from gateway.prefix.hashing import block_hashes
 from gateway.records import record
+from gateway.tokens.estimator import CharRatioEstimator, chat_chars
+from gateway.tokens.memory import trim
+from gateway.tokens.threads import below_the_loop
+from gateway.tokens.tokenizer import HFTokenizer, Tokenizer
 
 T = TypeVar("T")
 
@@ -58,10 +58,10 @@ DEFAULT_INLINE_PROMPT_CHARS = 512
 # 1.98 through the worker, +3.42 against +3.89 ms added TTFT; ~1 ms of loop time each.
 RANK_INLINE_FACTOR = 16
 # Up to here a chat prompt is rendered and cut on the loop when its blocks are hashed, so a
-# history seen before costs no thread hop (gateway/cost/blocks.py). Measured here for one new
+# history seen before costs no thread hop (gateway/tokens/blocks.py). Measured here for one new
 # message of this size: 0.06 ms on the loop, against the tens of milliseconds of encoding
 # that go to a worker; a history of many messages adds the template's render (~2-3 us each
-# rendered natively, ~18 with Jinja: gateway/cost/native.py).
+# rendered natively, ~18 with Jinja: gateway/tokens/native.py).
 WALK_ON_LOOP_CHARS = 131_072
 
 

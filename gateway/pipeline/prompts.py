@@ -1,13 +1,13 @@
 """What a request asks its engine to prefill, counted per endpoint: the count stage's work.
 
 Chat messages go through vLLM's normalisation and the model's chat template; a Responses
-input becomes the chat messages vLLM builds from it (gateway/protocol.py `responses_messages`),
+input becomes the chat messages vLLM builds from it (gateway/wire/openai.py `responses_messages`),
 with the conversation a `previous_response_id` continues counted from what it cost; a
 completion's prompt and an embedding's or a classification's input are encoded as they are;
 a rerank's or a score's pairs are each one prompt of their two inputs (an estimate). An
 Anthropic Messages request is counted as the chat request vLLM converts it to
-(gateway/cost/anthropic.py). Images on a vision model are counted apart, by the model's rule
-(gateway/cost/images.py), and make the count an estimate; a text-only model refuses them with
+(gateway/tokens/anthropic.py). Images on a vision model are counted apart, by the model's rule
+(gateway/tokens/images.py), and make the count an estimate; a text-only model refuses them with
 a clear 400.
 """
 
@@ -17,14 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gateway.anthropic import CountTokensRequest, MessagesRequest
-from gateway.cost import TokenCounter, openai_messages
-from gateway.cost.anthropic import chat_form, merges_inline_system
-from gateway.cost.images import IMAGE_PART_TYPES, VisionRule, image_size, split_images
 from gateway.errors import InvalidRequest
 from gateway.policy import ModelSpec
-from gateway.pooling import ClassifyRequest, RerankRequest, ScoreInput, ScoreRequest
-from gateway.protocol import (
+from gateway.records import record
+from gateway.tokens import TokenCounter, openai_messages
+from gateway.tokens.anthropic import chat_form, merges_inline_system
+from gateway.tokens.images import IMAGE_PART_TYPES, VisionRule, image_size, split_images
+from gateway.wire.anthropic import CountTokensRequest, MessagesRequest
+from gateway.wire.openai import (
     ChatRequest,
     EmbeddingsRequest,
     ParsedRequest,
@@ -32,7 +32,7 @@ from gateway.protocol import (
     responses_messages,
     template_kwargs,
 )
-from gateway.records import record
+from gateway.wire.pooling import ClassifyRequest, RerankRequest, ScoreInput, ScoreRequest
 
 
 @record
@@ -77,7 +77,7 @@ async def _count(counter: TokenCounter, model: ModelSpec, data: dict[str, Any],
         return Prompt(p.tokens + prior_tokens, 1, p.exact and not prior_tokens, p.chars,
                       p.hashes)
     if isinstance(parsed, MessagesRequest | CountTokensRequest):
-        # Anthropic's Messages API: the chat request vLLM makes of it (gateway/cost/anthropic.py).
+        # Anthropic's Messages API: the chat request vLLM makes of it (gateway/tokens/anthropic.py).
         form = chat_form(data, merges_inline_system(counter.tokenizer))
         return await _chat(counter, model, form.messages, form.tools,
                            template_kwargs(form.fields), who, form.exact, block_size=block_size)

@@ -39,9 +39,9 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes
 
-from gateway.cost.threads import below_the_loop
+from gateway.tokens.threads import below_the_loop
 
-log = logging.getLogger("gateway.cost")
+log = logging.getLogger("gateway.tokens")
 
 # One native render in this many is rendered again by Jinja and compared.
 CANARY_EVERY = 256
@@ -59,7 +59,7 @@ Render = Callable[[Sequence[Any], Sequence[Any] | None, Mapping[str, Any], bool,
 class Settled:
     """Which of a conversation's leading messages a template writes the same text for whatever
     follows them, given the same tools and arguments: a conversation's next turn then renders
-    only what is new after them (gateway/cost/turns.py). Each template below writes a message
+    only what is new after them (gateway/tokens/turns.py). Each template below writes a message
     from the message alone and, for the first, the head before it; the exceptions are named
     here and held to Jinja by tests/test_turns.py.
 
