@@ -24,9 +24,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
@@ -142,19 +141,14 @@ class GatewayApp:
         return self.runtime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI 3, for any server."""
-        await self.handle(scope, receive, send)
-
-    def handle(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
-        """ASGI 3 as the gateway's own server calls it (gateway/commands/serve.py): not a
-        coroutine of its own, it hands back the endpoint's (the pipeline's `serve`, which
-        counts it in the gate) or Starlette's. One coroutine fewer held by every open stream,
-        and with it the scope (gateway/serving/heap.py)."""
+        """ASGI 3: the admitted endpoints straight to the pipeline, the rest through
+        Starlette's router."""
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast.get(scope["path"])
             if endpoint is not None:
-                return endpoint(scope, receive, send)
-        return self.starlette(scope, receive, send)
+                await endpoint(scope, receive, send)
+                return
+        await self.starlette(scope, receive, send)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ async def test_an_open_stream_holds_neither_its_prompt_nor_its_body(start_sim: S
     with start_sim() as sim:
         app = GatewayApp(parse_policy(policy_yaml([sim.url], extra=NO_KEEPER)))
         port = free_port()
-        server = uvicorn.Server(server_config(app.handle, "127.0.0.1", port, None,
+        server = uvicorn.Server(server_config(app, "127.0.0.1", port, None,
                                               ConnectionLimits()))
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k",
                                     max_retries=0)

@@ -82,9 +82,7 @@ class Admission:
         self.rules = {name: rule_of(spec) for name, spec in policy.pools.items()}
         self._ids = itertools.count(1)
         # Live leases by the store that holds them (the shared state, or the in-memory
-        # fallback while it is down), refreshed by the slow tick. Two dicts of leases rather
-        # than one of (store, lease) pairs: a tuple more held by every open stream for the
-        # collector's sweep to walk (gateway/serving/heap.py).
+        # fallback while it is down), refreshed by the slow tick.
         self.live: dict[str, Lease] = {}
         self.live_local: dict[str, Lease] = {}
         self.pools: dict[str, PoolState] = {}

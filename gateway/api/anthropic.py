@@ -21,8 +21,7 @@ may use) and bounded like any body.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import orjson
 from starlette.types import Receive, Scope, Send
@@ -62,16 +61,10 @@ class AnthropicClient(AsgiClient):
 class MessagesEndpoint(CompletionsEndpoint):
     """POST /v1/messages: the proxy's pipeline, errors in Anthropic's shape."""
 
+    client_class = AnthropicClient
+
     def __init__(self, runtime: Callable[[], Runtime], gate: Gate | None = None) -> None:
         super().__init__("messages", runtime, gate)
-
-    def __call__(self, scope: Scope, receive: Receive, send: Send
-                 ) -> Coroutine[Any, Any, None]:
-        pipeline = self.pipeline()
-        request = inbound(scope, "messages")
-        # Made as CompletionsEndpoint makes its AsgiClient.
-        client = AnthropicClient(receive, send, request.headers, request.request_id)
-        return pipeline.serve(request, client, watch=True, gate=self.gate)
 
 
 class CountTokensEndpoint(PipelineEndpoint):

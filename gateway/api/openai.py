@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import CoroutineType
 from typing import Any, cast
 
@@ -183,7 +183,10 @@ class PipelineEndpoint:
 
 
 class CompletionsEndpoint(PipelineEndpoint):
-    """POST /v1/chat/completions or /v1/completions."""
+    """POST /v1/chat/completions, /v1/completions and the other admitted endpoints."""
+
+    # The caller as this endpoint answers it (errors in OpenAI's shape here).
+    client_class: type[AsgiClient] = AsgiClient
 
     def __init__(self, endpoint: Endpoint, runtime: Callable[[], Runtime],
                  gate: Gate | None = None) -> None:
@@ -191,14 +194,11 @@ class CompletionsEndpoint(PipelineEndpoint):
         self.endpoint = endpoint
         self.gate = gate
 
-    def __call__(self, scope: Scope, receive: Receive, send: Send
-                 ) -> Coroutine[Any, Any, None]:
-        # Not a coroutine of its own: it hands back the pipeline's, one coroutine fewer held
-        # by every stream for the collector's sweep to walk (gateway/serving/heap.py).
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.pipeline()
         request = inbound(scope, self.endpoint)
-        client = AsgiClient(receive, send, request.headers, request.request_id)
-        return pipeline.serve(request, client, watch=True, gate=self.gate)
+        client = self.client_class(receive, send, request.headers, request.request_id)
+        await pipeline.serve(request, client, watch=True, gate=self.gate)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

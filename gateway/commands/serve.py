@@ -86,7 +86,7 @@ def serve(policy: Policy, host: str, port: int, log_level: str = "info",
     app = create_app(policy, redis_url=redis_url, state_prefix=state_prefix,
                      policy_path=policy_path, admin_routes=admin_port is None)
     limits = policy.server
-    server.run(app.handle, host, port,
+    server.run(app, host, port,
                limits=server.ConnectionLimits(limits.max_header_bytes, limits.header_timeout_s,
                                               limits.keep_alive_timeout_s,
                                               limits.max_body_bytes),

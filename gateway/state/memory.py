@@ -29,8 +29,7 @@ class MemoryState(StateBackend):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        # (pool, id) -> the lease, and -> its expiry: two dicts, not one of (lease, expiry)
-        # pairs, a tuple more held by every open stream for the collector's sweep to walk.
+        # (pool, id) -> the lease, and -> its expiry.
         self._leases: dict[tuple[str, str], Lease] = {}
         self._expires: dict[tuple[str, str], float] = {}
         self._expiry: list[tuple[float, str, str]] = []  # heap of (expiry, pool, id)

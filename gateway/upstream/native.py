@@ -115,11 +115,8 @@ def _header_value(value: str) -> bytes:
 
 class Body:
     """An answer's body as the engine sends it (`readany`, `read`, `set_exception`), over a
-    buffer the protocol feeds.
-
-    The buffer is a bytearray, which the collector does not track, rather than a deque of the
-    pieces, which it would walk at every sweep for as long as the stream is open. A stream's
-    reads take one event at a time, so the copy out is of a few hundred bytes."""
+    bytearray the protocol feeds; a stream's reads take one event at a time, so the copy out
+    is of a few hundred bytes."""
 
     __slots__ = ("_buffer", "_conn", "_eof", "_exc", "_waiter")
 
@@ -156,9 +153,7 @@ class Body:
                 self._settle(waiter)
 
     def readany(self) -> asyncio.Future[bytes]:
-        """What has come since the last read (b"" at the end), once something has. A future
-        rather than a coroutine: a stream waiting for its next event holds the one object,
-        not a coroutine as well, for the collector's sweep to walk."""
+        """What has come since the last read (b"" at the end), once something has."""
         answer: asyncio.Future[bytes] = self._conn.loop.create_future()
         if self._buffer or self._exc is not None or self._eof:
             self._settle(answer)
@@ -194,8 +189,7 @@ class Response:
     def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
         self.connection = conn
         self.status = status
-        # Names in lower case, the first of a repeated header. A dict of strings is not
-        # tracked by the collector.
+        # Names in lower case, the first of a repeated header.
         self.headers = headers
         self.content = Body(conn)
         self._released = False
@@ -248,8 +242,7 @@ class Connection(asyncio.Protocol):
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
         # The parser holds this protocol and this protocol the parser: the pair is broken when
-        # the connection goes (connection_lost), so its reference counts free it. Without
-        # that each closed connection waits, with its last answer, for the heap keeper's sweep.
+        # the connection goes (connection_lost), so reference counts free it.
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._answer: asyncio.Future[Response] | None = None
         self._response: Response | None = None
