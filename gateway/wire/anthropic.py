@@ -18,6 +18,8 @@ from typing import Annotated, Any, ClassVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from gateway.wire.prefill import PrefillOnly
+
 
 class _Passthrough(BaseModel):
     # Unknown fields are the engine's business (vLLM's extensions, new Anthropic fields).
@@ -52,18 +54,9 @@ class _Prompt(_Passthrough):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(PrefillOnly, _Prompt):
     """`POST /v1/messages/count_tokens`: what a Messages request's prompt would cost."""
 
-    # Not fields of this API: constants, so the pipeline reads every request alike.
-    stream: ClassVar[bool] = False
-    stream_options: ClassVar[None] = None
-    include_usage: ClassVar[bool] = False
-    n: ClassVar[None] = None
-
-    @property
-    def output_limit(self) -> int | None:
-        return 0
 
 
 class MessagesRequest(_Prompt):

@@ -20,6 +20,7 @@ from gateway.records import record
 from gateway.tokens.templates import request_template_kwargs
 from gateway.wire.anthropic import CountTokensRequest, MessagesRequest
 from gateway.wire.pooling import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
+from gateway.wire.prefill import PrefillOnly
 
 
 def error_body(message: str, type_: str, param: str | None = None,
@@ -162,19 +163,10 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
-class EmbeddingsRequest(_Passthrough):
+class EmbeddingsRequest(PrefillOnly, _Passthrough):
     model: StrictStr
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
-    # Not fields of this API: constants, so the pipeline reads every request alike.
-    stream: ClassVar[bool] = False
-    stream_options: ClassVar[None] = None
-    include_usage: ClassVar[bool] = False
-    n: ClassVar[None] = None
-
-    @property
-    def output_limit(self) -> int | None:
-        return 0  # an embedding is a prefill: nothing is decoded
 
 
 class ResponsesRequest(_Passthrough):

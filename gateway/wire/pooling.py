@@ -23,27 +23,19 @@ names the pool, so it is required, as for every endpoint the gateway admits.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from gateway.errors import InvalidRequest
+from gateway.wire.prefill import PrefillOnly
 
 
-class _Pooling(BaseModel):
+class _Pooling(PrefillOnly, BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
 
-    # Not fields of these APIs: constants, so the pipeline reads every request alike.
-    stream: ClassVar[bool] = False
-    stream_options: ClassVar[None] = None
-    include_usage: ClassVar[bool] = False
-    n: ClassVar[None] = None
-
-    @property
-    def output_limit(self) -> int | None:
-        return 0  # a prefill: nothing is decoded
 
 
 class ScoreContent(BaseModel):
