@@ -259,7 +259,12 @@ class _Exchange:
         self._send = send
         self._body_pending = _declares_body(headers)
 
-    async def receive(self) -> Message:
+    def receive(self) -> Awaitable[Message]:
+        if not self._body_pending:  # past the body (a wait for the disconnect): uvicorn's own
+            return self._receive()
+        return self._receive_body()
+
+    async def _receive_body(self) -> Message:
         message = await self._receive()
         if not message.get("more_body", False):
             self._body_pending = False  # all of it came, or the caller left
