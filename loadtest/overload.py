@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from gateway.cost.profiles import get_gpu
+from gateway.cost.profiles import roofline_gpu
 from gateway.planner.throughput import Lengths, throughput
 from gateway.policy import PolicyError, load_policy
 from gateway.policy.model import Policy, PoolSpec
@@ -118,7 +118,11 @@ def saturation_rate(policy: Policy, pool: PoolSpec, lens: Lengths) -> float:
     model = policy.model(pool.models[0])
     if model is None or model.architecture is None:
         raise UsageError(f"pool's model {pool.models[0]!r} has no architecture: give --rate")
-    t = throughput(model.architecture.resolve(), get_gpu(pool.gpu), pool.tp,
+    gpu = roofline_gpu(pool.gpu)
+    if gpu is None:
+        raise UsageError("the pool's engines run on CPUs (gpu: cpu), which have no roofline: "
+                         "give --rate")
+    t = throughput(model.architecture.resolve(), gpu, pool.tp,
                    len(pool.backends), model.dtype, model.kv_cache_dtype, lens, None,
                    1024 * len(pool.backends))
     assert t is not None

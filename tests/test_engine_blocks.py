@@ -7,7 +7,9 @@ stands in for vLLM here; tests/test_vllm.py holds the same against vLLM itself.
 
 from __future__ import annotations
 
+import subprocess
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -20,7 +22,7 @@ from gateway.prefix import IndexMode, PrefixIndexes, block_hashes
 from gateway.prefix.events import Follower
 from gateway.signals.blocks import EngineBlocks, disagreement
 from tests.conftest import StartGateway, StartSim, policy_yaml
-from tests.servers import free_port, http, metric, poll_metric, quiet, scrape
+from tests.servers import free_port, gateway_cmd, http, metric, poll_metric, quiet, scrape
 
 FAST_SCRAPES = """signals:
   scrape_interval_s: 0.2
@@ -159,3 +161,30 @@ def test_precise_mode_at_the_engines_blocks(start_sim: StartSim,
             samples = scrape(gw.url)
             assert metric(samples, "gateway_kv_events_precise", backend="e0") == 1
             quiet(gw.url)
+
+
+def test_check_reads_the_engines_block_sizes_when_asked(start_sim: StartSim,
+                                                         tmp_path: Path) -> None:
+    """`gateway check --engines` reads each engine's /metrics once: a pool whose engines'
+    blocks differ gets a warning naming each backend and its size; engines of one size the
+    pool's block_size divides get a note; an engine it cannot reach is said, not fatal."""
+    with start_sim("--block-size", "16", "--num-gpu-blocks", "64") as small, \
+            start_sim("--block-size", "128", "--num-gpu-blocks", "64") as large:
+        mixed = tmp_path / "mixed.yaml"
+        mixed.write_text(policy_yaml([small.url, large.url]))
+        same = tmp_path / "same.yaml"
+        same.write_text(policy_yaml([large.url, f"http://127.0.0.1:{free_port()}"]))
+        done = subprocess.run([*gateway_cmd("check"), "--engines", str(mixed), str(same)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out, err = done.stdout, done.stderr
+    assert "      - e0: KV blocks of 16 tokens, 64 blocks" in out, out
+    assert "      - e1: KV blocks of 128 tokens, 64 blocks" in out, out
+    (warning,) = [x for x in err.splitlines() if x.startswith(f"{mixed}: pools.default")]
+    assert "its engines' KV blocks differ (e0 16, e1 128 tokens)" in warning, err
+    assert f"{same}: pools.default" not in err, err
+    assert "      - e1: not read (" in out and "note: its engines' KV blocks are 128" in out
+
+    without = subprocess.run([*gateway_cmd("check"), str(mixed)], capture_output=True,
+                             text=True, timeout=60)
+    assert "engines (--engines)" not in without.stdout and "differ" not in without.stderr

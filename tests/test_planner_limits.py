@@ -363,3 +363,72 @@ async def test_a_waiter_admitted_as_its_deadline_strikes_is_admitted_not_leaked(
     got = await waiting.wait(ps, Ask("default", 1, 16, deadline_s=0.0), "kv_blocks",
                              time.monotonic(), lambda *_: None, on_change, release)
     assert got is ticket and got.decision == "queued"
+
+
+CPU_POLICY = """
+models:
+  - {name: tiny, tokenizer: none, architecture: {num_layers: 2, hidden_size: 128,
+     num_attention_heads: 4, num_kv_heads: 2, head_dim: 32, params: 19743872}}
+pools:
+  default:
+    engine: vllm
+    gpu: cpu
+    models: [tiny]
+    max_model_len: 2048
+    backends:
+      - {name: v0, url: "http://127.0.0.1:8001"}
+"""
+
+
+def test_an_engine_on_a_cpu_has_no_roofline(tmp_path: Path) -> None:
+    """`gpu: cpu` (vLLM's CPU build): the planner takes no GPU's roofline for it: no planned KV
+    capacity, prefill backlog or in-flight tokens (what calibration learns), only the SLO's own
+    lines; `gateway check` says so, and warns until calibration has run."""
+    p = parse_policy(CPU_POLICY, "cpu.yaml")
+    pool = p.pools["default"]
+    plan = pool_planner_limits(pool, p)
+    assert plan is not None and not plan.roofline
+    assert plan.prefill_tokens_max is None and plan.inflight_tokens_max is None
+    th = thresholds_for(pool, p)
+    assert th.prefill_tokens_max.value is None and th.inflight_tokens_max.value is None
+    assert (th.ttft_p99_max_s.value, th.ttft_p99_max_s.source) == (2.0, "planner")
+    assert th.queue_wait_max_s.value == pytest.approx(2.0 * QUEUE_SHARE)
+
+    lines = protections(p, pool)
+    assert any(x.startswith("roofline: none for engines on CPUs (gpu: cpu)")
+               and "`loadtest calibrate`" in x for x in lines), lines
+    assert any(x.startswith("KV reservations: from the engines' own reports")
+               and "engines on CPUs" in x for x in lines), lines
+    assert not any("planner's ledger" in x or "roofline prefill" in x for x in lines), lines
+    ((name, warning),) = warnings(p)
+    assert name == "default" and "no roofline" in warning and "loadtest calibrate" in warning
+
+    # Calibrated: the learned limits are in force, and nothing is left to warn of.
+    learned = CPU_POLICY.replace("    gpu: cpu\n", "    gpu: cpu\n    admission:\n"
+                                 "      learned: {prefill_tokens_max: 4096, "
+                                 "inflight_tokens_max: 20000}\n")
+    p = parse_policy(learned, "cpu.yaml")
+    assert warnings(p) == []
+    assert "prefill backlog: 4,096 tokens per engine (learned)" in protections(
+        p, p.pools["default"])
+
+    path = tmp_path / "cpu.yaml"
+    path.write_text(CPU_POLICY)
+    result = subprocess.run([*gateway_cmd("check"), str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "max_model_len 2048, on CPUs" in result.stdout
+    assert "roofline: none for engines on CPUs" in result.stdout
+    assert f"{path}: pools.default: warning: its engines run on CPUs" in result.stderr
+
+
+def test_the_planner_says_a_cpu_has_no_roofline() -> None:
+    """`gateway plan --gpu cpu` is refused in one sentence that says where the limits come
+    from; a GPU the profiles lack names `cpu` among what it takes; and so does the policy."""
+    done = subprocess.run([*gateway_cmd("plan"), "--model", "llama-3-8b", "--gpu", "cpu"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("gateway plan: gpu: cpu has no roofline"), done.stderr
+    assert "`loadtest calibrate`" in done.stderr
+    with pytest.raises(Exception, match=r"expected one of .*, or cpu"):
+        parse_policy(CPU_POLICY.replace("gpu: cpu", "gpu: tpu"), "cpu.yaml")

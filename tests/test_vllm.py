@@ -13,6 +13,7 @@ start, ~3.6 GiB).
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from loadtest.vllm.server import (
     cached_python,
     vllm_python,
 )
-from tests.conftest import StartGateway
+from tests.conftest import StartGateway, StartSim
 from tests.servers import (
     Reply,
     Samples,
@@ -43,7 +44,7 @@ from tests.servers import (
     quiet,
     scrape,
 )
-from tests.vllm import VllmServer, run_vllm, vllm_policy
+from tests.vllm import VllmServer, run_vllm, start_vllm, vllm_policy
 from tests.vllm import vllm_engine as vllm_engine  # the module's engine
 from tests.vllm import vllm_install as vllm_install  # the session fixture
 
@@ -636,3 +637,152 @@ def test_anthropic_sdk_streaming_and_not_through_the_gateway_to_vllm(
         assert bad.value.body["type"] == "error"  # type: ignore[index]
         assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
         quiet(gw.url)
+
+
+def test_a_model_the_engine_does_not_serve(vllm_engine: VllmServer,
+                                           start_gateway: StartGateway) -> None:
+    """A name no pool lists is the gateway's own 404 (OpenAI's model_not_found), before any
+    engine sees it; a name the policy lists but sends vLLM under a name vLLM does not serve
+    (`served_name`) is vLLM's 404, relayed in OpenAI's shape. Neither is charged or leaks."""
+    policy = vllm_policy([vllm_engine.url], vllm_engine.model_dir)
+    policy = policy.replace("models:\n", "models:\n  - name: renamed\n"
+                            f'    tokenizer: "{vllm_engine.model_dir}"\n'
+                            "    served_name: not-served-here\n", 1)
+    policy = policy.replace(f"models: [{SERVED_NAME}]", f"models: [{SERVED_NAME}, renamed]")
+    with start_gateway(policy) as gw:
+        unknown = http("POST", gw.url + "/v1/chat/completions", {
+            "model": "no-such-model", "messages": [HISTORY[1]], "max_tokens": 4})
+        assert unknown.status == 404, unknown
+        error = unknown.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "not_found_error", "model", "model_not_found"), error
+        assert "no-such-model" in error["message"], error
+        with pytest.raises(openai.NotFoundError):
+            openai_client(gw.url).chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4)
+
+        for stream in (False, True):
+            relayed = http("POST", gw.url + "/v1/chat/completions", {
+                "model": "renamed", "messages": [HISTORY[1]], "max_tokens": 4,
+                "stream": stream})
+            assert relayed.status == 404, relayed
+            assert relayed.headers["x-gateway-backend"] == "v0"
+            error = relayed.json()["error"]
+            assert error["type"] == "not_found_error", error
+            assert "not-served-here" in error["message"], error
+        s = quiet(gw.url)
+        assert metric(s, "gateway_tokens_total") == 0
+
+
+def _replies_in_openais_shape(replies: list[Reply]) -> None:
+    """Every answer is a success or an error in OpenAI's shape; none is a 500."""
+    for r in replies:
+        assert r.status != 500, r
+        if r.status != 200:
+            assert r.status in (502, 503, 504), r
+            error = r.json()["error"]
+            assert error["type"] and error["message"], r
+
+
+@pytest.mark.timeout(600 if cached_python() is not None else 1800)  # two vLLM starts
+def test_vllm_killed_mid_load_is_ejected_forgotten_and_taken_back(
+        vllm_install: tuple[Path, Path], tmp_path: Path, start_gateway: StartGateway,
+        start_sim: StartSim, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool of a vLLM (precise prefix mode on its KV events) and a simulator: vLLM's
+    process group SIGKILLed while requests run. Callers get answers or errors in OpenAI's
+    shape, never a 500; the gateway takes vLLM out of service and forgets its prefix index;
+    the simulator takes the traffic; nothing stays reserved. vLLM started again on the same
+    port and sockets: the gateway takes it back, its KV events followed again."""
+    python, model = vllm_install
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"tcp://127.0.0.1:{free_port()}"
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": pub, "replay_endpoint": replay})
+    shape = EngineShape(extra=("--kv-events-config", config))
+    port = free_port()
+    engine = start_vllm(python, model, tmp_path, shape, port)
+    started = [engine]  # and the restarted one: each stopped at the end
+    try:
+        with start_sim("--served-model-name", SERVED_NAME, "--tokenizer", str(model),
+                       "--max-model-len", "2048", "--block-size", "128") as sim:
+            policy = vllm_policy([engine.url, sim.url], model, pool_extra=(
+                "    routing: {prefix: {mode: precise}}\n"))
+            policy = policy.replace(
+                f'url: "{engine.url}"}}',
+                f'url: "{engine.url}", kv_events: {{endpoint: "{pub}", '
+                f'replay_endpoint: "{replay}"}}}}')
+            with start_gateway(policy, env={"GATEWAY_ADMIN_KEY": "admin-key"}) as gw:
+                _kill_and_take_back(gw.url, started, python, model, tmp_path, shape, port)
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _stored(gw_url: str) -> float:
+    return metric(scrape(gw_url), "gateway_kv_events_blocks_total", backend="v0",
+                  event="stored")
+
+
+def _spread(gw_url: str, n: int = 8, max_tokens: int = 8) -> list[Reply]:
+    """`n` requests at once, of distinct prompts of a full 128-token block or more (vLLM
+    publishes only full blocks)."""
+    def one(i: int) -> Reply:
+        content = f"{uuid.uuid4().hex} {i}: {PARAGRAPH * 3}"
+        return chat(gw_url, {"messages": [{"role": "user", "content": content}],
+                             "max_tokens": max_tokens, "ignore_eos": True}, timeout=120)
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def _kill_and_take_back(gw_url: str, started: list[VllmServer], python: Path, model: Path,
+                        tmp_path: Path, shape: EngineShape, port: int) -> None:
+    engine = started[0]
+    poll_metric(gw_url, "gateway_kv_events_connected", lambda v: v == 1, timeout=30,
+                backend="v0")
+    time.sleep(0.5)  # the subscription reaches vLLM's PUB socket
+    warm = _spread(gw_url)
+    assert [r.status for r in warm] == [200] * len(warm), warm
+    assert "v0" in {r.headers["x-gateway-backend"] for r in warm}, warm
+    poll_metric(gw_url, "gateway_kv_events_blocks_total", lambda v: v > 0, timeout=10,
+                backend="v0", event="stored")
+    forgotten = "gateway_prefix_index_forgotten_total"
+    before = metric(scrape(gw_url), forgotten, backend="v0")
+
+    # Mid-load: 16 requests of 200 decoded tokens, vLLM killed once some are running there.
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(_spread, gw_url, 16, 200)
+        poll_metric(engine.url, "vllm:num_requests_running", lambda v: v >= 1, timeout=60)
+        engine.stop(signal.SIGKILL)
+        during = load.result()
+    print("statuses while vLLM was killed:", sorted(
+        (r.status, r.headers.get("x-gateway-backend", "")) for r in during))
+    _replies_in_openais_shape(during)
+    assert any(r.status == 200 for r in during), during
+
+    poll_metric(gw_url, "gateway_backend_up", lambda v: v == 0, timeout=10, backend="v0")
+    poll_metric(gw_url, forgotten, lambda v: v > before, timeout=10, backend="v0")
+    state = http("GET", gw_url + "/admin/state", headers=ADMIN).json()
+    assert state["pools"]["default"]["backends"]["v0"]["status"] != "up", state
+    after = _spread(gw_url)
+    assert [r.status for r in after] == [200] * len(after), after
+    assert {r.headers["x-gateway-backend"] for r in after} == {"v1"}, after
+    s = quiet(gw_url, timeout=30)
+    assert metric(s, "gateway_kv_blocks_reserved") == 0
+
+    # Started again on the same port and sockets: probed back in, its events followed again.
+    started.append(start_vllm(python, model, tmp_path, shape, port))
+    poll_metric(gw_url, "gateway_backend_up", lambda v: v == 1, timeout=30, backend="v0")
+    poll_metric(gw_url, "gateway_kv_events_connected", lambda v: v == 1, timeout=30,
+                backend="v0")
+    time.sleep(0.5)
+    stored = _stored(gw_url)
+    for _ in range(5):  # until the router sends some of a spread there
+        back = _spread(gw_url)
+        assert [r.status for r in back] == [200] * len(back), back
+        if "v0" in {r.headers["x-gateway-backend"] for r in back}:
+            break
+    assert "v0" in {r.headers["x-gateway-backend"] for r in back}, back
+    s = poll_metric(gw_url, "gateway_kv_events_blocks_total", lambda v: v > stored,
+                    timeout=10, backend="v0", event="stored")
+    assert metric(s, "gateway_kv_events_precise", backend="v0") == 1, s
+    quiet(gw_url, timeout=30)

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.admission.pool import PoolState
-from gateway.cost.profiles import get_gpu, ledger
+from gateway.cost.profiles import ledger, roofline_gpu
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy, PoolSpec
 from gateway.signals.blocks import disagreement
@@ -52,9 +52,10 @@ class Capacity:
         if spec.kv_blocks is not None:
             return spec.kv_blocks
         model = self.policy.model(spec.models[0])
-        if model is None or model.architecture is None:
+        gpu = roofline_gpu(spec.gpu)  # None on CPUs: no ledger, the engines say
+        if model is None or model.architecture is None or gpu is None:
             return UNKNOWN_CAPACITY_BLOCKS
-        led = ledger(model.architecture.resolve(), get_gpu(spec.gpu), spec.tp, model.dtype,
+        led = ledger(model.architecture.resolve(), gpu, spec.tp, model.dtype,
                      model.kv_cache_dtype, block_size=spec.block_size)
         return max(1, led.num_gpu_blocks)
 

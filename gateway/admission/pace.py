@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gateway.admission.thresholds import Thresholds
 from gateway.cost.pricing import PREFILL_EFFICIENCY
-from gateway.cost.profiles import GpuProfile, ModelProfile, get_gpu
+from gateway.cost.profiles import GpuProfile, ModelProfile, roofline_gpu
 from gateway.planner.limits import INFLIGHT_PROMPT, prefill_seconds
 from gateway.planner.throughput import Lengths, throughput
 from gateway.policy.model import Policy, PoolSpec
@@ -65,8 +65,9 @@ def pace_for(pool: PoolSpec, policy: Policy, thresholds: Thresholds) -> Pace | N
     prompt = max(1, min(INFLIGHT_PROMPT, pool.max_model_len - output))
     roofline = None
     spec = policy.model(pool.models[0])
-    if spec is not None and spec.architecture is not None:
-        model, gpu = spec.architecture.resolve(), get_gpu(pool.gpu)
+    gpu = roofline_gpu(pool.gpu)  # None on CPUs: the SLO's lines only
+    if spec is not None and spec.architecture is not None and gpu is not None:
+        model = spec.architecture.resolve()
         # The roofline's prefill with the TP all-reduce in it, as the FLOPs that take as long.
         flops = prefill_seconds(model, gpu, pool.tp, spec.dtype, prompt) \
             * gpu.peak_flops(spec.dtype) * pool.tp * PREFILL_EFFICIENCY

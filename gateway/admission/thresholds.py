@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from gateway.cost.profiles import get_gpu
-from gateway.planner.limits import PlannerLimits, Slo, planner_limits
+from gateway.cost.profiles import roofline_gpu
+from gateway.planner.limits import PlannerLimits, Slo, planner_limits, slo_limits
 from gateway.policy.model import Policy, PoolSpec
 
 Source = Literal["policy", "learned", "planner", "default"]
@@ -59,15 +59,19 @@ def _pick(mine: float | None, learned: float | None, planned: float | None,
 
 def pool_planner_limits(pool: PoolSpec, policy: Policy | None) -> PlannerLimits | None:
     """The planner's limits for `pool` (its first model's architecture, GPU, TP, replicas and
-    the policy's SLO); None without an SLO or an architecture."""
+    the policy's SLO); None without an SLO or an architecture. A pool on CPUs (`gpu: cpu`)
+    has no roofline: only the SLO's own lines (latency guard, queue deadline)."""
     if policy is None or policy.defaults.slo is None:
         return None
     model = policy.model(pool.models[0])
     if model is None or model.architecture is None:
         return None
     slo = policy.defaults.slo
+    gpu = roofline_gpu(pool.gpu)
+    if gpu is None:
+        return slo_limits(Slo(slo.ttft_p95_s, slo.tpot_p95_s))
     return planner_limits(
-        model.architecture.resolve(), get_gpu(pool.gpu), pool.tp, model.dtype,
+        model.architecture.resolve(), gpu, pool.tp, model.dtype,
         model.kv_cache_dtype, len(pool.backends), Slo(slo.ttft_p95_s, slo.tpot_p95_s),
         expected_output=min(policy.defaults.expected_output_tokens,
                             pool.max_tokens_default or policy.defaults.max_tokens),

@@ -4,17 +4,27 @@ The summary says, per pool, which protections are in force and where each number
 (`policy`, `learned`, `planner`, `default`: gateway/admission/thresholds.py), and a pool that
 is not protected at all, or only by its KV cache, gets a warning on stderr (the policy is still
 valid: exit status 0).
+
+It reads no engine unless asked: with `--engines` it GETs each vLLM's or SGLang's /metrics once
+and says what each reports (its KV block size and blocks), and warns where a pool's engines'
+block sizes differ from each other (or the pool's `block_size` does not divide theirs), as the
+running gateway would say at its first scrape (gateway/signals/blocks.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+import urllib.error
+import urllib.request
 
 from gateway.admission.thresholds import Threshold, Thresholds, pool_planner_limits, thresholds_for
-from gateway.cost.profiles import get_gpu, ledger
+from gateway.cost.profiles import CPU, ledger, roofline_gpu
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.policy.model import AdmissionSpec, PoolSpec
+from gateway.signals.blocks import disagreement
+from gateway.signals.engines import EngineSample, parse_engine_metrics
 from gateway.state.urls import CLUSTER, SENTINEL, parse_url, state_problem
 
 
@@ -24,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also check the state URL `gateway serve --redis-url` would get "
                              "(its form only: nothing is connected to)")
     parser.add_argument("--state-prefix", default="gw", help="and the key prefix")
+    parser.add_argument("--engines", action="store_true",
+                        help="also read each vLLM or SGLang engine's /metrics once: the KV "
+                             "block size and blocks it reports; warn where a pool's differ")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,9 +56,72 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok")
         print(summarise(policy))
-        for pool, warning in warnings(policy):
+        found = warnings(policy)
+        if args.engines:
+            lines, said = engines_report(policy, read_engines(policy))
+            print("\n".join(lines))
+            found += said
+        for pool, warning in found:
             print(f"{path}: pools.{pool}: warning: {warning}", file=sys.stderr)
     return 1 if failed else 0
+
+
+# An engine's reading: its sample, or why there is none.
+Reading = EngineSample | str
+
+
+def _read(url: str, engine: str, timeout_s: float) -> Reading:
+    """One engine's /metrics, parsed as the gateway's scraper parses it."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+            page: bytes = resp.read()
+    except urllib.error.HTTPError as exc:
+        return f"not read (HTTP {exc.code})"
+    except urllib.error.URLError as exc:
+        return f"not read ({exc.reason})"
+    except (OSError, ValueError) as exc:  # timed out, a broken answer
+        return f"not read ({exc})"
+    return parse_engine_metrics(page.decode("utf-8", "replace"), engine, time.monotonic())
+
+
+def read_engines(policy: Policy) -> dict[str, dict[str, Reading]]:
+    """Each vLLM or SGLang backend's /metrics, read once as the gateway scrapes it, by pool."""
+    timeout = max(2.0, policy.signals.scrape_timeout_s)
+    return {name: {b.name: _read(b.url, pool.engine, timeout) for b in pool.backends}
+            for name, pool in policy.pools.items() if pool.engine in ("vllm", "sglang")}
+
+
+def engines_report(policy: Policy, readings: dict[str, dict[str, Reading]]
+                   ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(lines for stdout, (pool, warning) pairs) of what `read_engines` found."""
+    lines = ["  engines (--engines):" if readings
+             else "  engines (--engines): no vLLM or SGLang pool to read"]
+    said: list[tuple[str, str]] = []
+    for name, backends in readings.items():
+        pool = policy.pools[name]
+        lines.append(f"    {name}:")
+        sizes: dict[str, int] = {}
+        for backend, r in backends.items():
+            if isinstance(r, str):
+                lines.append(f"      - {backend}: {r}")
+                continue
+            if r.block_size is not None:
+                sizes[backend] = r.block_size
+            block = (f"KV blocks of {r.block_size} tokens" if r.block_size is not None
+                     else "no KV block size reported")
+            count = f", {r.num_gpu_blocks:,} blocks" if r.num_gpu_blocks is not None else ""
+            lines.append(f"      - {backend}: {block}{count}")
+        words = disagreement(pool.block_size, sizes)
+        if words is None:
+            continue
+        # Engines that differ from each other, or blocks the pool's does not divide, cost
+        # accuracy: a warning. One engine size the pool's divides is followed exactly: a note.
+        engine_sizes = set(sizes.values())
+        if len(engine_sizes) > 1 or max(engine_sizes) % pool.block_size:
+            said.append((name, words))
+        else:
+            lines.append(f"      note: {words}")
+    return lines, said
 
 
 def describe_state(url: str) -> str:
@@ -73,8 +149,9 @@ def summarise(policy: Policy) -> str:
         lines.append(f"    {m.name}{served}: tokenizer {m.tokenizer}{encoder}; {detail}")
     lines.append("  pools:")
     for name, pool in policy.pools.items():
+        hardware = "on CPUs" if pool.gpu == CPU else f"{pool.gpu} TP={pool.tp}"
         lines.append(f"    {name}: {pool.engine}, models {', '.join(pool.models)}, "
-                     f"max_model_len {pool.max_model_len}, {pool.gpu} TP={pool.tp}")
+                     f"max_model_len {pool.max_model_len}, {hardware}")
         for b in pool.backends:
             lines.append(f"      - {b.name}: {b.url}")
         lines.append("      protections (source):")
@@ -106,8 +183,9 @@ def _kv_capacity(policy: Policy, pool: PoolSpec) -> tuple[int | None, str]:
     if pool.kv_blocks is not None:
         return pool.kv_blocks, "policy"
     model = policy.model(pool.models[0])
-    if model is not None and model.architecture is not None:
-        led = ledger(model.architecture.resolve(), get_gpu(pool.gpu), pool.tp, model.dtype,
+    gpu = roofline_gpu(pool.gpu)  # None on CPUs: no ledger
+    if model is not None and model.architecture is not None and gpu is not None:
+        led = ledger(model.architecture.resolve(), gpu, pool.tp, model.dtype,
                      model.kv_cache_dtype, block_size=pool.block_size)
         return led.num_gpu_blocks, "planner's ledger"
     return None, ""
@@ -145,16 +223,22 @@ def protections(policy: Policy, pool: PoolSpec) -> list[str]:
         out.append(f"KV reservations: {blocks:,} blocks of {pool.block_size} per engine "
                    f"({where}{replaced}), up to kv_usage_max {kv.value:g} ({kv.source})")
     elif engine_reports:
-        out.append(f"KV reservations: from the engines' own reports once scraped (no "
-                   f"architecture or kv_blocks for a planned figure), up to kv_usage_max "
+        unplanned = "engines on CPUs" if pool.gpu == CPU else "no architecture"
+        out.append(f"KV reservations: from the engines' own reports once scraped ({unplanned} "
+                   f"and no kv_blocks for a planned figure), up to kv_usage_max "
                    f"{kv.value:g} ({kv.source})")
+    if pool.gpu == CPU:
+        out.append("roofline: none for engines on CPUs (gpu: cpu): no planned KV capacity, "
+                   "prefill backlog or in-flight tokens; capacity comes from the engines' "
+                   "reports, those limits from `loadtest calibrate` on these engines")
     if pool.engine == "vllm":
         # Only the engines know their block size (16 on a GPU by default, 128 on a CPU):
         # check never reaches them, so it says the rule and the first scrape says the facts.
         out.append(f"KV blocks: reservations and predicted cached tokens in whole blocks of "
                    f"the engines' own size (vllm:cache_config_info) once scraped, until then "
                    f"of block_size {pool.block_size}; engines that differ from each other or "
-                   f"from it are logged then (gateway_engine_kv_block_size_tokens)")
+                   f"from it are logged then (gateway_engine_kv_block_size_tokens), and said "
+                   f"now by `gateway check --engines`")
     return out + _limits(th, why, a)
 
 
@@ -199,7 +283,13 @@ def warnings(policy: Policy) -> list[tuple[str, str]]:
         limits = [th.prefill_tokens_max, th.inflight_tokens_max, th.waiting_max,
                   th.ttft_p99_max_s, th.tpot_p99_max_s]
         kv_known = _kv_capacity(policy, pool)[0] is not None or pool.engine != "openai"
-        if not any(t.value is not None for t in limits) and pool.engine == "llamacpp":
+        if pool.gpu == CPU and th.prefill_tokens_max.value is None \
+                and th.inflight_tokens_max.value is None:
+            out.append((name, "its engines run on CPUs (gpu: cpu), which have no roofline: "
+                        "no prefill backlog or in-flight token limits until `loadtest "
+                        "calibrate` learns them on these engines"
+                        + ("" if kv_known else "; and no KV capacity known (give kv_blocks)")))
+        elif not any(t.value is not None for t in limits) and pool.engine == "llamacpp":
             out.append((name, "no protection in force beyond the engines' slots and the "
                         "queue deadline: run `loadtest calibrate` for latency limits"))
         elif not any(t.value is not None for t in limits):

@@ -144,13 +144,29 @@ def get_model(name: str) -> ModelProfile:
         ) from None
 
 
+# A pool's `gpu: cpu`: its engines run on CPUs (vLLM's CPU build). A CPU has no roofline here
+# (no datasheet peak that a batch's step time follows): no planned KV capacity, no planned
+# prefill or in-flight limits; the engines report their capacity, `loadtest calibrate` learns
+# the limits.
+CPU = "cpu"
+NO_ROOFLINE = (f"gpu: {CPU} has no roofline (an engine on a CPU): its KV capacity comes from "
+               "the engines' own reports or kv_blocks, its limits from `loadtest calibrate`")
+
+
 def get_gpu(name: str) -> GpuProfile:
+    if name == CPU:
+        raise ProfileError(NO_ROOFLINE)
     try:
         return GPUS[name]
     except KeyError:
         raise ProfileError(
-            f"gpu: unknown GPU {name!r}; expected one of {', '.join(GPUS)}"
+            f"gpu: unknown GPU {name!r}; expected one of {', '.join(GPUS)}, or {CPU}"
         ) from None
+
+
+def roofline_gpu(name: str) -> GpuProfile | None:
+    """A pool's `gpu` as the planner's roofline takes it: None for `cpu` (none to take)."""
+    return None if name == CPU else get_gpu(name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from gateway.cost.pricing import (
     input_share,
     per_token,
 )
-from gateway.cost.profiles import ModelProfile, get_gpu
+from gateway.cost.profiles import ModelProfile, roofline_gpu
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy.model import Policy
 
@@ -64,10 +64,13 @@ class Accountant:
         self.metrics = metrics
         self.clock = clock
         self.pools: dict[str, PoolPrices] = {}
-        self._gpu: dict[str, tuple[float, float, float]] = {}
+        # Each pool's roofline figures; none on CPUs: their spend splits by `input_share`, or
+        # in half (gateway/cost/pricing.py input_share, with no GPU-seconds to go by).
+        self._gpu: dict[str, tuple[float, float, float] | None] = {}
         for name, pool in policy.pools.items():
-            gpu = get_gpu(pool.gpu)
-            self._gpu[name] = (gpu.peak_flops("bf16"), gpu.hbm_tb_s * 1e12, float(pool.tp))
+            gpu = roofline_gpu(pool.gpu)
+            self._gpu[name] = None if gpu is None else (
+                gpu.peak_flops("bf16"), gpu.hbm_tb_s * 1e12, float(pool.tp))
             if pool.cost is None:
                 continue
             gpus = pool.cost.gpus_per_backend or pool.tp
@@ -90,21 +93,22 @@ class Accountant:
         pc = self.pools.get(pool)
         if pc is None:
             return
-        peak, hbm, tp = self._gpu[pool]
-        # GPU-seconds of this request, as the roofline puts them: prefill compute-bound,
-        # decode memory-bound with the weights' reads shared by the batch it ran in.
-        prefill_s = profile.prefill_flops(fresh, context=cached_tokens) / (
-            peak * tp * PREFILL_EFFICIENCY)
-        weights_per_step = profile.weight_bytes() / max(1, concurrency)
-        kv_read = profile.kv_bytes_per_token() * output_tokens * (prompt_tokens
-                                                                   + output_tokens / 2)
-        decode_s = (weights_per_step * output_tokens + kv_read) / (hbm * tp * DECODE_EFFICIENCY)
         s = self._slice(pc)
         s.input += fresh
         s.cached += cached_tokens
         s.output += output_tokens
-        s.prefill_s += prefill_s
-        s.decode_s += decode_s
+        roofline = self._gpu[pool]
+        if roofline is not None:
+            peak, hbm, tp = roofline
+            # GPU-seconds of this request, as the roofline puts them: prefill compute-bound,
+            # decode memory-bound with the weights' reads shared by the batch it ran in.
+            s.prefill_s += profile.prefill_flops(fresh, context=cached_tokens) / (
+                peak * tp * PREFILL_EFFICIENCY)
+            weights_per_step = profile.weight_bytes() / max(1, concurrency)
+            kv_read = profile.kv_bytes_per_token() * output_tokens * (prompt_tokens
+                                                                       + output_tokens / 2)
+            s.decode_s += (weights_per_step * output_tokens + kv_read) / (
+                hbm * tp * DECODE_EFFICIENCY)
         if pc.price_input is None or pc.price_output is None:
             self.update()  # the first requests after start-up are charged too
         if pc.price_input is not None and pc.price_output is not None:

@@ -25,6 +25,10 @@ model, GPU and TP), so it derives, for the policy's SLO (`defaults.slo`):
 
 Values an SRE writes in the pool's `admission`, and values calibrate learned, win over these
 (gateway/admission/thresholds.py).
+
+A pool on CPUs (`gpu: cpu`, vLLM's CPU build) has no roofline (`slo_limits`): no
+`prefill_tokens_max` or `inflight_tokens_max` from the planner, only the SLO's own lines (the
+latency guard's targets and the queue's deadline); `loadtest calibrate` learns the rest.
 """
 
 from __future__ import annotations
@@ -56,14 +60,19 @@ class Slo:
 class PlannerLimits:
     """What the planner derives for one pool, and the figures it derived them from."""
 
-    prefill_tokens_max: int  # per engine
-    inflight_tokens_max: int  # the whole pool
+    prefill_tokens_max: int | None  # per engine; None: no roofline (an engine on a CPU)
+    inflight_tokens_max: int | None  # the whole pool; None: no roofline
     queue_wait_max_s: float
     ttft_p99_max_s: float
     tpot_p99_max_s: float
     prefill_tokens_s: float  # one replica's roofline, at BACKLOG_PROMPT tokens a prompt
     batch_per_replica: int  # requests a replica decodes at the TPOT target
     kv_tokens_per_replica: int
+
+    @property
+    def roofline(self) -> bool:
+        """Whether the roofline's limits are in it (not on a CPU)."""
+        return self.prefill_tokens_max is not None
 
     def explain(self) -> dict[str, str]:
         """One line per limit saying where its number comes from (for `gateway check`)."""
@@ -76,6 +85,15 @@ class PlannerLimits:
             "ttft_p99_max_s": "the SLO's TTFT target",
             "tpot_p99_max_s": "the SLO's TPOT target",
         }
+
+
+def slo_limits(slo: Slo) -> PlannerLimits:
+    """What the planner derives without a roofline (engines on CPUs): the SLO's lines only."""
+    return PlannerLimits(
+        prefill_tokens_max=None, inflight_tokens_max=None,
+        queue_wait_max_s=round(slo.ttft_s * QUEUE_SHARE, 3),
+        ttft_p99_max_s=slo.ttft_s, tpot_p99_max_s=slo.tpot_s,
+        prefill_tokens_s=0.0, batch_per_replica=0, kv_tokens_per_replica=0)
 
 
 def prefill_seconds(model: ModelProfile, gpu: GpuProfile, tp: int, dtype: str,

@@ -250,7 +250,9 @@ class PoolSpec(Strict):
     backends: Annotated[list[BackendSpec], Field(min_length=1)]
     # Path probed for active health; None picks the engine's own (/health, or /v1/models).
     health_path: str | None = None
-    # Tensor parallelism and block size of each backend: for KV budgets and the planner.
+    # GPU, tensor parallelism and block size of each backend: for KV budgets and the planner.
+    # `cpu`: engines on CPUs (vLLM's CPU build), which have no roofline: capacity from the
+    # engines' reports (or kv_blocks), limits from `loadtest calibrate` (docs/planner.md).
     gpu: str = "h100-sxm-80gb"
     tp: PositiveInt = 1
     block_size: PositiveInt = 16
@@ -283,7 +285,7 @@ class PoolSpec(Strict):
     @field_validator("gpu")
     @classmethod
     def _gpu(cls, value: str) -> str:
-        profiles.get_gpu(value)
+        profiles.roofline_gpu(value)  # a known GPU, or `cpu`
         return value
 
     @property

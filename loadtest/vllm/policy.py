@@ -3,7 +3,10 @@ tokenizer files and chat template in its own directory (the ones vLLM serves it 
 shape as a custom architecture, and a `default` pool of `engine: vllm` backends (v0, v1, ...).
 
 The pool's `block_size` is left at the gateway's default (16) as a new user would leave it,
-though this vLLM's blocks are 128 tokens (`vllm:cache_config_info`); see docs/policy.md.
+though this vLLM's blocks are 128 tokens (`vllm:cache_config_info`); see docs/policy.md. Its
+`gpu: cpu` says the engines run on CPUs: no GPU roofline for the planner (no planned KV capacity
+or prefill and in-flight limits; the engines report their capacity, `loadtest calibrate` learns
+the limits: docs/planner.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def vllm_policy(urls: list[str], model_dir: Path, *, max_model_len: int = 2048,
 pools:
   default:
     engine: vllm
+    gpu: cpu
     models: [{served_name}]
     max_model_len: {max_model_len}
 {pool_extra}    backends:
