@@ -66,7 +66,9 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Command:
     """A process to start: `argv` with "{port}" standing for `port`, ready once `health`
-    answers 2xx (any HTTP answer with `any_answer`), on CPU `cpu` when one is given."""
+    answers 2xx (any HTTP answer with `any_answer`), on CPU `cpu` when one is given (its
+    children inherit the pinning). `group`: in a session and process group of its own, and
+    stopped as a group (a server whose workers are child processes, e.g. vLLM)."""
 
     name: str
     argv: list[str]
@@ -75,6 +77,7 @@ class Command:
     cpu: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     any_answer: bool = False
+    group: bool = False
 
     @property
     def url(self) -> str:
@@ -90,6 +93,7 @@ class Proc:
     port: int
     process: subprocess.Popen[bytes]
     log: Path
+    group: bool = False  # stopped as a process group (Command.group)
 
     @property
     def pid(self) -> int:
@@ -102,13 +106,27 @@ class Proc:
         return run_queue_seconds(self.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        if self.process.poll() is None:
+        if self.group:
+            self._stop_group(sig, timeout)
+        elif self.process.poll() is None:
             self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+
+    def _stop_group(self, sig: int, timeout: float) -> None:
+        """`sig` to the whole group, then SIGKILL to whatever of it is left (children that
+        outlive a leader which did not stop them)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
 
 
 def launch(cmd: Command, workdir: Path, timeout: float = 60.0) -> Proc:
@@ -118,8 +136,9 @@ def launch(cmd: Command, workdir: Path, timeout: float = 60.0) -> Proc:
     log = workdir / f"{cmd.name}-{cmd.port}.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **cmd.env})
-    proc = Proc(cmd.name, cmd.url, cmd.port, process, log)
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **cmd.env},
+                                   start_new_session=cmd.group)
+    proc = Proc(cmd.name, cmd.url, cmd.port, process, log, cmd.group)
     try:
         wait_ready(proc, cmd.health, timeout, any_answer=cmd.any_answer)
     except BaseException:
