@@ -439,3 +439,20 @@ def _finite(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
+
+
+def single_stream_tpot(url: str, model: str, tokens: int, prompt_words: int) -> float:
+    """Seconds per output token of one stream alone on an idle engine: a chat request of
+    `prompt_words` words decoding `tokens` tokens (ignore_eos), timed between its chunks after
+    the first."""
+    body = json.dumps({"model": model, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                       "messages": [{"role": "user",
+                                     "content": "hello " * prompt_words}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    stamps = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                stamps.append(time.monotonic())
+    return (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)

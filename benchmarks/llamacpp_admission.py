@@ -30,8 +30,6 @@ import json
 import os
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +146,7 @@ def sim_time_scale(binary: Path, model: Path, tmp: Path) -> tuple[float, float, 
     """(time scale, llama-server's, the unscaled simulator's) single-stream TPOT: one stream
     of 256 tokens on an idle engine of each; the scale makes the simulator decode as fast."""
     def tpot(url: str) -> float:
-        body = json.dumps({"model": NAME, "max_tokens": 256, "stream": True, "ignore_eos": True,
-                           "messages": [{"role": "user", "content": "hello " * 500}]}).encode()
-        req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                     headers={"content-type": "application/json"})
-        stamps = []
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for line in r:
-                if line.startswith(b"data: {"):
-                    stamps.append(time.monotonic())
-        return (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)
+        return harness.single_stream_tpot(url, NAME, 256, 500)
 
     with harness.start_all(engine_cmds(1, binary, model), tmp) as procs:
         tpot(procs[0].url)  # warm

@@ -254,16 +254,7 @@ def settle(urls: list[str], timeout: float = 20.0) -> None:
 
 def single_stream_tpot(url: str, tokens: int = 128) -> float:
     """Seconds per output token of one stream alone on an idle engine (256-word prompt)."""
-    body = json.dumps({"model": NAME, "max_tokens": tokens, "stream": True, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "hello " * 256}]}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    stamps = []
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                stamps.append(time.monotonic())
-    return (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)
+    return harness.single_stream_tpot(url, NAME, tokens, 256)
 
 
 def median_tpot(url: str, n: int = 3) -> float:
