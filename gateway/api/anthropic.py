@@ -20,15 +20,13 @@ may use) and bounded like any body.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
-import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import http_error
 from gateway.api.openai import AsgiClient, CompletionsEndpoint, PipelineEndpoint, inbound
-from gateway.errors import GatewayError, InternalError
+from gateway.errors import GatewayError
 from gateway.pipeline import Gate
 from gateway.pipeline.context import Shared
 from gateway.pipeline.inbound import Inbound
@@ -36,8 +34,6 @@ from gateway.pipeline.prepare import count, identify
 from gateway.runtime import Runtime
 from gateway.wire.anthropic import CountTokensRequest, error_body, error_type
 from gateway.wire.openai import parse_request
-
-log = logging.getLogger("gateway.api")
 
 _JSON = (b"content-type", b"application/json")
 
@@ -74,20 +70,13 @@ class CountTokensEndpoint(PipelineEndpoint):
         pipeline = self.pipeline()
         request = inbound(scope, "messages")
         client = AnthropicClient(receive, send, request.headers, request.request_id)
-        try:
-            tokens = await count_tokens(pipeline.shared, request, client)
-        except GatewayError as err:
-            await client.reply_error(err, response_started=False)
-            return
-        except Exception:
-            log.exception("unexpected error in count_tokens %s", request.request_id)
-            await client.reply_error(InternalError(
-                f"Internal gateway error (request id {request.request_id})."), False)
-            return
-        body = orjson.dumps({"input_tokens": tokens})
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [_JSON, client.rid, (b"content-length", b"%d" % len(body))]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await client.answer_json(_input_tokens(pipeline.shared, request, client),
+                                 "count_tokens")
+
+
+async def _input_tokens(sh: Shared, request: Inbound, client: AnthropicClient
+                        ) -> dict[str, int]:
+    return {"input_tokens": await count_tokens(sh, request, client)}
 
 
 async def count_tokens(sh: Shared, request: Inbound, client: AnthropicClient) -> int:

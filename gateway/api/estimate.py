@@ -11,18 +11,13 @@ was this request rejected?".
 
 from __future__ import annotations
 
-import logging
 from typing import cast
 from urllib.parse import parse_qs
 
-import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.openai import AsgiClient, PipelineEndpoint, inbound
-from gateway.errors import GatewayError, InternalError
 from gateway.wire.openai import ENDPOINTS, Endpoint
-
-log = logging.getLogger("gateway.api")
 
 
 class EstimateEndpoint(PipelineEndpoint):
@@ -34,18 +29,4 @@ class EstimateEndpoint(PipelineEndpoint):
         request = inbound(scope, cast(Endpoint, asked[0])
                           if asked and asked[0] in ENDPOINTS else None)
         client = AsgiClient(receive, send, request.headers, request.request_id)
-        try:
-            out = await pipeline.preview(request, client)
-        except GatewayError as err:
-            await client.reply_error(err, response_started=False)
-            return
-        except Exception:
-            log.exception("unexpected error in estimate %s", request.request_id)
-            await client.reply_error(InternalError(
-                f"Internal gateway error (request id {request.request_id})."), False)
-            return
-        body = orjson.dumps(out)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), client.rid,
-                                (b"content-length", b"%d" % len(body))]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await client.answer_json(pipeline.preview(request, client), "estimate")

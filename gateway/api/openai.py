@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from types import CoroutineType
@@ -22,7 +23,13 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import http_error
-from gateway.errors import BodyTooLarge, GatewayError, RequestTimeout, UnsupportedMediaType
+from gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    InternalError,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from gateway.pipeline import Gate, Pipeline
 from gateway.pipeline.eager import start
 from gateway.pipeline.inbound import Inbound
@@ -30,6 +37,7 @@ from gateway.runtime import Runtime, runtime_of
 from gateway.upstream.forward import STAGE_CLOCK, ClientGone
 from gateway.wire.openai import Endpoint, error_body
 
+log = logging.getLogger("gateway.api")
 _JSON = (b"content-type", b"application/json")
 _ID_PREFIX = os.urandom(4).hex()
 _ids = itertools.count(1)
@@ -154,6 +162,25 @@ class AsgiClient:
         if self._cut is not None:
             self._cut.cancel()
             self._cut = None
+
+    async def answer_json(self, work: Awaitable[object], what: str) -> None:
+        """Answer 200 with `work`'s result as JSON, or its error in this client's shape (an
+        unexpected one as a 500 naming the request, logged as `what`)."""
+        try:
+            out = await work
+        except GatewayError as err:
+            await self.reply_error(err, response_started=False)
+            return
+        except Exception:
+            rid = self.rid[1].decode()
+            log.exception("unexpected error in %s %s", what, rid)
+            await self.reply_error(InternalError(f"Internal gateway error (request id {rid})."),
+                                   False)
+            return
+        body = orjson.dumps(out)
+        await self.send({"type": "http.response.start", "status": 200,
+                         "headers": [_JSON, self.rid, (b"content-length", b"%d" % len(body))]})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def reply_error(self, err: GatewayError, response_started: bool) -> int:
         answer = http_error(err)
